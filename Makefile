@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; installed first so nothing pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test test-fast bench lint clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	# constraints.txt pins a set known to resolve together (botocore within aiobotocore's range).
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: install
+	$(PY) bench/engine.py
+	$(PY) bench/checkpoint.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache lightning_logs runs

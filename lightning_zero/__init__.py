@@ -1,0 +1,13 @@
+"""ZeRO stage 1/2 with evenly sharded optimizer state, and async sharded checkpoints, for Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.sharding import EvenShard
+from lightning_zero.strategy import ZeroLowLevelStrategy
+
+ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["EvenShard", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer"]
+__version__ = "0.1.0"

@@ -1,0 +1,67 @@
+"""Stateless collectives over tensors, and the row copies that pack/unpack even shards.
+
+[Note: collective names] PyTorch 2.13 renamed ``reduce_scatter_tensor`` /
+``all_gather_into_tensor`` to ``reduce_scatter_single`` / ``all_gather_single`` and warns on the
+old names. This module is the one place that picks whichever exists, so the engine runs on
+older and newer PyTorch alike. ``ReduceOp.AVG`` is not on every backend: callers divide by
+the world size and SUM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.sharding import EvenShard
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Work = Any  # torch.distributed.Work, or None when the call was synchronous
+
+
+def reduce_scatter(output: Tensor, input: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Work:
+    """Sum ``input`` (``[world_size * n]``) over ranks; rank r keeps elements ``[r*n, (r+1)*n)``."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Work:
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: Tensor, input: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Work:
+    """Concatenate every rank's ``input`` into ``output`` (``[world_size * n]``) in rank order."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def copy_flat_to_rows(rows: Tensor, flat: Tensor, layout: EvenShard) -> None:
+    """Copy a flattened parameter (or gradient) into its ``[world_size, chunk]`` row block.
+
+    ``rows`` may be a strided column slice of a larger bucket buffer; padding elements of
+    ``rows`` are left as they are (buffers are allocated zeroed).
+    """
+    full, tail, chunk = layout.full_rows, layout.tail, layout.chunk
+    if full:
+        rows[:full].copy_(flat[: full * chunk].view(full, chunk))
+    if tail:
+        rows[full, :tail].copy_(flat[full * chunk :])
+
+
+def copy_rows_to_flat(flat: Tensor, rows: Tensor, layout: EvenShard) -> None:
+    """The inverse of :func:`copy_flat_to_rows`: drop the padding, write the real elements."""
+    full, tail, chunk = layout.full_rows, layout.tail, layout.chunk
+    if full:
+        flat[: full * chunk].view(full, chunk).copy_(rows[:full])
+    if tail:
+        flat[full * chunk :].copy_(rows[full, :tail])
+
+
+def all_reduce_sum_(value: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Synchronous in-place SUM, a no-op in a one-rank world."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+

@@ -1,0 +1,151 @@
+"""The sharded optimizer: the user's optimizer stepping this rank's fp32 master shards.
+
+Step order (DESIGN.md, data flow 5): the reductions were already waited for when backward
+ended (:class:`~lightning_zero.buckets.GradReducer`); clipping uses the global norm; the
+inner optimizer updates the shards; the updated shards are all-gathered back into the
+model's parameters, bucket by bucket, so every rank again holds the full model.
+
+[Note: wrapping the user's optimizer] The user's optimizer object is kept and its param
+groups are rewritten to hold the master shards, so LR schedulers built over it keep working
+and every option of every group is kept. :class:`ZeroOptimizer` shares ``param_groups``,
+``state`` and ``defaults`` with it through properties, so that even ``load_state_dict``
+(which replaces those attributes on the inner optimizer) cannot make the two disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero import _collectives as comm
+from lightning_zero.buckets import GradBucket, ShardedParam
+
+
+class ZeroOptimizer(Optimizer):
+    """Runs ``inner`` on this rank's shards and keeps the model's full parameters up to date."""
+
+    def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
+                 group: dist.ProcessGroup | None, overlap_communication: bool = True) -> None:
+        if inner.state:
+            raise ValueError(
+                f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
+                " Create the optimizer fresh (in `configure_optimizers`) and let ZeRO shard it before the"
+                " first step."
+            )
+        by_param = {sp.param: sp for sp in sharded_params}
+        for group_dict in inner.param_groups:
+            group_dict["params"] = [by_param[p].master for p in group_dict["params"]]
+        self.inner = inner
+        self.sharded_params = list(sharded_params)  # in param_groups order
+        self.process_group = group
+        self._async_op = overlap_communication
+        self._buckets: list[GradBucket] = list(dict.fromkeys(sp.bucket for sp in sharded_params))
+        owned = {id(sp) for sp in sharded_params}
+        self._whole_buckets = [b for b in self._buckets if all(id(sp) in owned for sp in b.params)]
+        self._partial = [sp for sp in sharded_params if sp.bucket not in self._whole_buckets]
+        # Optimizer.__init__ resets param_groups/state through the delegating properties and
+        # re-adds the very same group dicts (see [Note: wrapping the user's optimizer]).
+        groups = list(inner.param_groups)
+        super().__init__(groups, inner.defaults)
+
+    # The inner optimizer is the one source of truth for groups, state and defaults.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
+    @property
+    def shard_numel(self) -> int:
+        """Real elements of master weights (and of each optimizer-state tensor) on this rank."""
+        return sum(sp.shard_numel for sp in self.sharded_params)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.inner.step()
+        self.gather_params()
+        return loss
+
+    def gather_params(self) -> None:
+        """All-gather updated shards into the model's parameters, bucket by bucket.
+
+        Buckets in which no parameter got a gradient on any rank are skipped; ``has_grad`` is
+        the same on every rank (it comes from the reduced flags), so the collectives match.
+        """
+        pending = [
+            bucket.launch_all_gather(self.process_group, self._async_op)
+            for bucket in self._buckets
+            if bucket.communicates and any(sp.has_grad for sp in bucket.params)
+        ]
+        for gather in pending:
+            gather.finish()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip shard gradients by the norm over *all* shards, like ``clip_grad_norm_`` on one process."""
+        grads = [sp.grad_shard for sp in self.sharded_params if sp.has_grad]
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max() \
+                if grads else torch.zeros((), device=device)
+            total = local.clone()
+            if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+        else:
+            powered = torch.stack([g.float().abs().pow(norm_type).sum() for g in grads]).sum() \
+                if grads else torch.zeros((), device=device)
+            total = comm.all_reduce_sum_(powered, self.process_group).pow(1.0 / norm_type)
+        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients: full ones not yet reduced and the reduced shards."""
+        for bucket in self._whole_buckets:
+            bucket.grad_shard.zero_()
+        for sp in self._partial:
+            sp.grad_shard.zero_()
+        for sp in self.sharded_params:
+            sp.param.grad = None
+            sp.master.grad = None
+            sp.has_grad = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, in the inner optimizer's format."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.inner!r})"

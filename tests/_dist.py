@@ -1,0 +1,44 @@
+"""Run a function on N gloo CPU processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # reported to the parent with the traceback
+        result = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank; returns the per-rank results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size,
+                           start_method="spawn")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    errors = [payload for status, payload in results if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [payload for _, payload in results]

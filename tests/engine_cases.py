@@ -1,0 +1,147 @@
+"""Training cases run twice: N ranks through ZeroEngine, and one plain PyTorch process.
+
+The reference sees the same global batch. Each step's loss is the mean over N equal slices
+(the average DDP computes), which for a model without data-dependent branches is the
+ordinary loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero import ZeroConfig, ZeroEngine
+
+
+class Net(nn.Module):
+    """Parameter sizes chosen not to divide by 2 or 3; every awkward kind of parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(7, 11)  # weight also used transposed at the output (tied)
+        self.hidden = nn.Linear(11, 13)
+        self.branch = nn.Linear(13, 13)  # used only by slices whose first input is positive
+        self.dropped = nn.Linear(13, 13)  # never called: layer drop
+        self.frozen = nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(13, 11)
+        self.scale = nn.Parameter(torch.tensor(1.5))  # a 1-element parameter: empty on most ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.hidden(h))
+        if x[0, 0] > 0:
+            h = h + torch.tanh(self.branch(h))
+        h = h + self.frozen(h)
+        h = self.head(h) * self.scale
+        return F.linear(h, self.embed.weight.t())  # tied weight, used a second time
+
+
+@dataclass(frozen=True)
+class Case:
+    optimizer: str = "adamw"
+    steps: int = 4
+    accumulate: int = 1
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    scheduler: bool = False
+    stage: int = 2
+    bucket_size_mb: float = 0.0005  # ~500 bytes: several buckets even for this tiny model
+    overlap: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    if name == "sgd":
+        return torch.optim.SGD([{"params": decay}, {"params": rest, "lr": 0.05}], lr=0.1, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam([{"params": decay, "weight_decay": 0.01}, {"params": rest}], lr=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.02}], lr=0.01
+        )
+    raise ValueError(name)
+
+
+def global_batch(step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(4 * world_size, 7, generator=g)
+    # Make slice 0 take the branch and the last slice skip it (when there are 2+ slices).
+    x[0, 0] = 1.0
+    x[-4, 0] = -1.0
+    return x, torch.randn(4 * world_size, 7, generator=g)
+
+
+def initial_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    model = initial_model()
+    if rank != 0:  # the engine must broadcast rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
+                        ZeroConfig(case.stage, case.bucket_size_mb, case.overlap))
+    opt = engine.optimizers[0]
+    sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
+    for step in range(case.steps):
+        opt.zero_grad()
+        for micro in range(case.accumulate):
+            x, y = global_batch(step, micro, world_size)
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            last = micro == case.accumulate - 1
+            with contextlib.nullcontext() if last else engine.no_sync():
+                loss = F.mse_loss(model(xs), ys) / case.accumulate
+                loss.backward()
+                engine.ensure_flushed()
+        if case.clip_norm is not None:
+            opt.clip_grad_norm_(case.clip_norm)
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_([p for g in opt.param_groups for p in g["params"]], case.clip_value)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    masters_match = all(
+        torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
+        for sp in engine.sharded_params.values()
+    )
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "shard_numel": engine.optimizer_shard_numel,
+        "masters_match": masters_match,
+    }
+
+
+def run_reference(world_size: int, case: Case) -> dict[str, torch.Tensor]:
+    model = initial_model()
+    opt = make_optimizer(case.optimizer, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if case.scheduler else None
+    for step in range(case.steps):
+        opt.zero_grad()
+        for micro in range(case.accumulate):
+            x, y = global_batch(step, micro, world_size)
+            loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size)))
+            (loss / world_size / case.accumulate).backward()
+        if case.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
+    """All cases in one process group: spawning is the slow part on 2 cores."""
+    return {name: run_zero(rank, world_size, case) for name, case in cases.items()}
