@@ -120,6 +120,11 @@ class ZeroEngine:
             start, end = sp.layout.start(sp.rank), sp.layout.end(sp.rank)
             sp.master.copy_(sp.param.detach().reshape(-1)[start:end])
 
+    def publish_masters(self) -> None:
+        """All-gather every master shard into the model (after the masters were loaded)."""
+        for opt in self.optimizers:
+            opt.gather_params(all_buckets=True)
+
     def grad_scaler(self, init_scale: float = 2.0**16, **kwargs: float) -> torch.amp.GradScaler:
         """A dynamic loss scaler for fp16 whose inf/NaN check is all-reduced over this engine's
         ranks, so all ranks skip a step together and back off the scale together."""

@@ -94,7 +94,7 @@ class ZeroOptimizer(Optimizer):
         self.gather_params()
         return loss
 
-    def gather_params(self) -> None:
+    def gather_params(self, all_buckets: bool = False) -> None:
         """All-gather updated shards into the model's parameters, bucket by bucket.
 
         Buckets in which no parameter got a gradient on any rank are skipped; ``has_grad`` is
@@ -103,7 +103,7 @@ class ZeroOptimizer(Optimizer):
         pending = [
             bucket.launch_all_gather(self.process_group, self._async_op)
             for bucket in self._buckets
-            if bucket.communicates and any(sp.has_grad for sp in bucket.params)
+            if bucket.communicates and (all_buckets or any(sp.has_grad for sp in bucket.params))
         ]
         for gather in pending:
             gather.finish()

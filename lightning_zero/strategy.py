@@ -22,10 +22,15 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint.plugin import TREE_TAG, ZeroCheckpointIO
+from lightning_zero.checkpoint.tree import FlatShard, map_leaves
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -71,6 +76,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._engine: ZeroEngine | None = None
+        self._loaded_by_strategy = False
 
     @property
     def stage(self) -> int:
@@ -102,6 +108,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
+            for optimizer in self._engine.optimizers:
+                # The only mutation of checkpointed tensors: a save still staging must finish first.
+                optimizer.register_step_pre_hook(lambda *_: saver.wait_for_staging())
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -142,9 +151,116 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.ensure_flushed()
 
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ZeroCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist to receive sharded state
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # sharded optimizer state is restored in `load_checkpoint`
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return _unwrap(optimizer).state_dict()
+        # Lightning's own gathering of optimizer state is bypassed: `save_checkpoint` takes the
+        # shards straight from the engine, in the layout the checkpoint mode needs.
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """(every rank) Hand this rank's sharded state to the checkpoint plugin."""
+        io = self.checkpoint_io
+        if isinstance(io, ZeroCheckpointIO):
+            io.save_checkpoint(self._checkpoint_tree(checkpoint, io.mode), filepath, storage_options)
+            return
+        # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
+        tree = self._checkpoint_tree(checkpoint, "full")
+        full = map_leaves(tree, lambda leaf: saver._gather_to_rank0(leaf, None) if isinstance(leaf, FlatShard) else leaf)
+        if self.is_global_zero:
+            full.pop(TREE_TAG)
+            io.save_checkpoint(full, filepath, storage_options=storage_options)
+
+    def _checkpoint_tree(self, checkpoint: dict[str, Any], mode: str) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        with_optimizer = "optimizer_states" in checkpoint  # absent for save_weights_only
+        if self._engine is None:
+            raise RuntimeError("ZeroLowLevelStrategy saves checkpoints only while fitting (the engine holds the state).")
+        if mode == "full":
+            buffers = {name for name, _ in module.named_buffers()}
+            state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
+            tree = {**trainer_state, "state_dict": state_dict}
+            if with_optimizer:
+                tree["optimizer_states"] = ckpt_state.full_optimizer_states(self._engine)
+        else:
+            tree = ckpt_state.zero_state_dict(self._engine, module)
+            if not with_optimizer:
+                tree.pop("optimizer")
+            tree["trainer"] = _pack_object(trainer_state)
+        tree[TREE_TAG] = mode
+        return tree
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """(every rank) Read the mode from the checkpoint, load the shards this rank owns at the
+        current world size, and return Lightning's part of the checkpoint."""
+        import os
+
+        path = os.fspath(checkpoint_path)
+        io = self.checkpoint_io
+        options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
+        mode = saver.read_mode(path, options)
+        module = self.lightning_module
+        assert module is not None
+        if mode == "full":
+            content = saver.read_full(path, options)
+            if self._engine is not None:
+                ckpt_state.load_full_into_engine(self._engine, module, content)
+                self._loaded_by_strategy = True
+            return content
+        if self._engine is None:
+            raise ValueError(
+                f"{path!r} is a {mode!r} checkpoint, which needs the ZeRO engine built by `trainer.fit`. To validate,"
+                " test or predict from it, save with ZeroCheckpointIO(mode='full')."
+            )
+        keys = saver.saved_tensor_keys(path, options)
+        for index, optimizer in enumerate(self._engine.optimizers):
+            ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
+        tree = ckpt_state.zero_state_dict(self._engine, module, for_load=True)
+        if not any(k.startswith("optimizer/") for k in keys):
+            tree.pop("optimizer")
+        objects = saver.load(tree, path, storage_options=options)
+        for optimizer, saved in zip(self._engine.optimizers, objects.get("optimizer", [])):
+            ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+        self._engine.publish_masters()
+        self._loaded_by_strategy = True
+        return {**_unpack_object(objects["trainer"]), "state_dict": module.state_dict()}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._loaded_by_strategy:
+            return  # already in the engine (and gathered into the model) by `load_checkpoint`
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def teardown(self) -> None:
@@ -163,6 +279,28 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage, override=True)
+
+
+def _pack_object(obj: Any) -> bytes:
+    """Lightning's loop/callback state as one blob, so tensors in it stay out of the sharded tree."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unpack_object(blob: bytes) -> dict[str, Any]:
+    import io
+    import pickle
+
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # Hyper-parameters may hold arbitrary classes that weights_only refuses; the tensors of a
+        # checkpoint are always loaded with weights_only=True, this metadata blob is the exception.
+        rank_zero_warn(f"Loading the trainer state of a checkpoint with weights_only=False: {exc}")
+        return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 def _unwrap(optimizer: Optimizer) -> ZeroOptimizer:

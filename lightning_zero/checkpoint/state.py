@@ -1,0 +1,138 @@
+"""What a checkpoint holds: the engine's sharded state as a tree, and how it is put back.
+
+``zero_state_dict`` (local and sharded modes) keeps every sharded tensor as a :class:`FlatShard`
+keyed by parameter name: ``model/<fqn>`` the fp32 master shard (buffers and parameters no
+optimizer holds are plain tensors), ``optimizer/<i>/state/<fqn>/<key>`` the optimizer state
+shards, ``optimizer/<i>/param_groups`` the hyper-parameters. ``full_state_dict`` builds
+Lightning's own checkpoint format instead, with optimizer state in PyTorch's per-parameter
+form (indices in param-group order), so plain DDP can resume from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.buckets import ShardedParam
+from lightning_zero.checkpoint.tree import FlatShard
+from lightning_zero.engine import ZeroEngine
+from lightning_zero.optimizer import ZeroOptimizer
+
+
+def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
+    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size)
+
+
+def _is_sharded_state(value: Any, sp: ShardedParam) -> bool:
+    """Optimizer state shaped like the master shard is sharded; scalars (Adam's step) are not."""
+    return isinstance(value, Tensor) and value.shape == sp.master.shape and value.dim() == 1
+
+
+def _is_full_state(key: str, value: Any, sp: ShardedParam) -> bool:
+    """In PyTorch's format, state shaped like the parameter is per-element. A 0-dim parameter's
+    state is shaped like Adam's scalar ``step``, so the key decides there."""
+    return isinstance(value, Tensor) and value.shape == sp.param.shape and (sp.param.dim() > 0 or key != "step")
+
+
+def _param_groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+    fqn = {sp.master: sp.fqn for sp in opt.sharded_params}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[p] for p in g["params"]]}
+            for g in opt.param_groups]
+
+
+def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False) -> dict[str, Any]:
+    ws = engine.world_size
+    model: dict[str, Any] = {}
+    for fqn, p in module.named_parameters():
+        sp = engine.sharded_params.get(p)
+        model[fqn] = _flat(sp, sp.master, ws) if sp is not None else p.detach()
+    for fqn, b in module.named_buffers():
+        # Forward mutates buffers: a save copies them now, not at staging; a load fills them.
+        model[fqn] = b.detach() if for_load else b.detach().clone()
+    optimizers = []
+    for opt in engine.optimizers:
+        state: dict[str, Any] = {}
+        for sp in opt.sharded_params:
+            entry = opt.state.get(sp.master)
+            if entry:
+                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(v, sp) else v for k, v in entry.items()}
+        optimizers.append({"state": state, "param_groups": _param_groups(opt)})
+    return {"model": model, "optimizer": optimizers}
+
+
+def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
+    """Per-parameter optimizer state (``torch.optim.Optimizer.state_dict`` layout), shards as FlatShard."""
+    out = []
+    for opt in engine.optimizers:
+        index = {sp.master: i for i, sp in enumerate(opt.sharded_params)}
+        state: dict[int, Any] = {}
+        for sp in opt.sharded_params:
+            entry = opt.state.get(sp.master)
+            if entry:
+                state[index[sp.master]] = {
+                    k: _flat(sp, v, engine.world_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
+                }
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in opt.param_groups]
+        out.append({"state": state, "param_groups": groups})
+    return out
+
+
+def saved_optimizer_fqns(tensor_keys: set[str], opt_index: int) -> set[str]:
+    prefix = f"optimizer/{opt_index}/state/"
+    return {k[len(prefix):].rsplit("/", 1)[0] for k in tensor_keys if k.startswith(prefix)}
+
+
+def materialize_optimizer_state(opt: ZeroOptimizer, keep: set[str]) -> None:
+    """Create the lazily built optimizer state (a zero-lr step on zero gradients), then keep it only
+    for the parameters named in ``keep`` (those that had state when the checkpoint was saved)."""
+    if not opt.state:
+        lrs = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        for sp in opt.sharded_params:
+            sp.master.grad = torch.zeros_like(sp.master)
+        opt.inner.step()
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        for sp in opt.sharded_params:
+            sp.master.grad = None
+    for sp in opt.sharded_params:
+        if sp.fqn not in keep:
+            opt.state.pop(sp.master, None)
+
+
+def apply_param_groups(opt: ZeroOptimizer, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved)} param groups, this one {len(opt.param_groups)}:"
+            " build the optimizer the way it was built when the checkpoint was saved."
+        )
+    for group, saved_group in zip(opt.param_groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+@torch.no_grad()
+def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[str, Any], strict: bool = True) -> None:
+    """Put a ``full`` (Lightning-format) checkpoint into the engine, at any world size."""
+    module.load_state_dict(content["state_dict"], strict=strict)
+    engine.refresh_masters_from_params()
+    saved_states = content.get("optimizer_states") or []
+    if len(saved_states) != len(engine.optimizers):
+        raise ValueError(
+            f"The checkpoint holds {len(saved_states)} optimizer states, the model configures"
+            f" {len(engine.optimizers)} optimizers."
+        )
+    for opt, saved in zip(engine.optimizers, saved_states):
+        apply_param_groups(opt, saved["param_groups"])
+        opt.state.clear()
+        for index, entry in saved["state"].items():
+            sp = opt.sharded_params[int(index)]
+            start, end = sp.layout.start(sp.rank), sp.layout.end(sp.rank)
+            opt.state[sp.master] = {
+                k: v.reshape(-1)[start:end].to(sp.master.device, sp.master.dtype).clone()
+                if _is_full_state(k, v, sp) else v
+                for k, v in entry.items()
+            }

@@ -1,0 +1,176 @@
+"""Where checkpoints live: one fsspec-backed storage layer for local paths, shared filesystems and S3.
+
+[Note: checkpoint layout] A checkpoint at ``<parent>/<name>`` is
+
+* ``full`` mode: one ordinary ``torch.save`` file at ``<parent>/<name>``;
+* ``local`` / ``sharded`` mode: a small JSON *commit marker* at ``<parent>/<name>`` and the data in
+  ``<parent>/_zero_data/<name>/<version>/``.
+
+The marker is written last, by one coordinator, once every rank's files are complete, and it
+names the version directory it commits. Writing a checkpoint under a name that exists (Lightning's
+``last.ckpt``) writes a fresh version directory, then replaces the marker, then deletes the
+old version: at every moment the name points at a complete checkpoint. The marker replacement
+is atomic: ``os.replace`` on local disks, a single PUT on S3 (which has no rename). Because the
+checkpoint path is a file, Lightning's own ``ckpt_path="last"`` lookup, which asks the
+filesystem for a modification time, works on S3 too (Lightning #18261 fails on directories).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+MARKER_FORMAT = "lightning_zero"
+MARKER_VERSION = 1
+DATA_DIR = "_zero_data"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The path holds no (complete) checkpoint."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """The checkpoint is committed but its data is missing or damaged."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint path resolved to an fsspec filesystem."""
+
+    fs: fsspec.AbstractFileSystem
+    path: str  # without protocol, as the filesystem expects it
+    url: str  # as the user gave it, for messages
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def parent(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[0] if "/" in self.path.rstrip("/") else ""
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def data_root(self) -> str:
+        """Directory holding every version of this checkpoint's data."""
+        return _join(self.parent, DATA_DIR, self.name)
+
+    def new_version_dir(self) -> str:
+        return _join(self.data_root(), uuid.uuid4().hex[:12])
+
+    def join(self, *parts: str) -> str:
+        return _join(*parts)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts if p)
+
+
+def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
+    url = os.fspath(url)
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise ValueError(f"No filesystem for {url!r}: {exc}. Install the fsspec backend for this protocol.") from exc
+    if isinstance(fs, LocalFileSystem):
+        path = os.path.abspath(path)
+    return Location(fs, path, url)
+
+
+def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
+    """A clear error for an unreachable bucket, refused access or a full disk; no credentials in it."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+        hint = "access was refused: check the credentials/profile in storage_options and the bucket policy"
+    elif "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
+        isinstance(exc, FileNotFoundError) and not loc.is_local
+    ):
+        hint = "the bucket or prefix does not exist: create it or fix the path"
+    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
+        hint = "the disk is full: free space or point the checkpoint elsewhere; the previous checkpoint is intact"
+    else:
+        hint = "see the cause below"
+    return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
+
+
+def write_marker(loc: Location, marker: dict[str, Any]) -> None:
+    """(coordinator) Commit: atomically make ``loc`` point at a complete checkpoint."""
+    payload = json.dumps({"format": MARKER_FORMAT, "version": MARKER_VERSION, **marker}, indent=1).encode()
+    if loc.parent:
+        loc.fs.makedirs(loc.parent, exist_ok=True)
+    if loc.is_local:
+        tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, loc.path)
+    else:
+        # One PUT: an object store shows the old object or the new one, never a mix.
+        loc.fs.pipe_file(loc.path, payload)
+
+
+def read_marker(loc: Location) -> dict[str, Any] | None:
+    """The commit marker, or None when ``loc`` is a ``full`` checkpoint file. Raises when absent."""
+    try:
+        if not loc.fs.exists(loc.path):
+            raise CheckpointNotFoundError(_missing_message(loc))
+        if loc.fs.isdir(loc.path):
+            raise CheckpointNotFoundError(
+                f"{loc.url!r} is a directory without a lightning_zero commit marker: it is not a checkpoint"
+                " or its save never completed. Pass the path of a checkpoint this package wrote."
+            )
+        with loc.fs.open(loc.path, "rb") as f:
+            head = f.read(1)
+            if head != b"{":
+                return None  # a torch.save zip file: full mode
+            body = head + f.read()
+    except CheckpointNotFoundError:
+        raise
+    except Exception as exc:
+        raise storage_error(loc, "read", exc) from exc
+    try:
+        marker = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise CheckpointCorruptError(f"Commit marker {loc.url!r} is damaged ({exc}); use another checkpoint.") from exc
+    if marker.get("format") != MARKER_FORMAT:
+        raise CheckpointNotFoundError(f"{loc.url!r} is a JSON file, not a lightning_zero checkpoint.")
+    return marker
+
+
+def _missing_message(loc: Location) -> str:
+    return (
+        f"No checkpoint at {loc.url!r}. If a save was in progress it did not commit (a checkpoint counts only"
+        " once its commit marker is written); resume from an earlier checkpoint."
+    )
+
+
+def remove(loc: Location) -> None:
+    """Delete a checkpoint: the marker first (so it stops being one), then its data."""
+    try:
+        if loc.fs.exists(loc.path):
+            loc.fs.rm(loc.path, recursive=loc.fs.isdir(loc.path))
+        root = loc.data_root()
+        if loc.fs.exists(root):
+            loc.fs.rm(root, recursive=True)
+    except Exception as exc:
+        raise storage_error(loc, "remove", exc) from exc
+
+
+def remove_stale_versions(loc: Location, keep: str) -> None:
+    """Delete data versions other than the committed one (after a commit, or left by a failed save)."""
+    root = loc.data_root()
+    try:
+        for entry in loc.fs.ls(root, detail=False):
+            if entry.rstrip("/").rsplit("/", 1)[-1] != keep.rstrip("/").rsplit("/", 1)[-1]:
+                loc.fs.rm(entry, recursive=True)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,112 @@
+"""Nested checkpoint state: the sharded leaf type and the tree walks every mode shares."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.sharding import EvenShard
+
+
+@dataclass
+class FlatShard:
+    """This rank's piece of a tensor that is flattened and split evenly over the ranks.
+
+    ``local`` holds elements ``[layout.start(rank), layout.end(rank))`` of the flattened tensor:
+    exactly the local part of a 1-D DTensor with ``Shard(0)`` placement, so ``sharded`` mode
+    saves it as one, and any other world size can read it back.
+    """
+
+    local: Tensor  # 1D
+    shape: tuple[int, ...]  # the full tensor's shape
+    rank: int
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def layout(self) -> EvenShard:
+        return EvenShard(self.numel, self.world_size)
+
+    def load_from_full(self, full: Tensor) -> None:
+        """Fill ``local`` from the whole tensor (any world size wrote it)."""
+        if full.numel() != self.numel:
+            raise ValueError(f"expected {self.numel} elements {self.shape}, checkpoint has {tuple(full.shape)}")
+        start, end = self.layout.start(self.rank), self.layout.end(self.rank)
+        self.local.copy_(full.reshape(-1)[start:end])
+
+
+Leaf = Any
+Path = tuple[str, ...]
+
+
+def walk(tree: Any, path: Path = ()) -> Iterator[tuple[Path, Leaf]]:
+    """Leaves in a deterministic order (dict insertion order), the same on every rank."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from walk(value, (*path, str(key)))
+    elif isinstance(tree, (list, tuple)) and not _is_plain_sequence(tree):
+        for index, value in enumerate(tree):
+            yield from walk(value, (*path, str(index)))
+    else:
+        yield path, tree
+
+
+def map_leaves(tree: Any, fn: Callable[[Leaf], Any]) -> Any:
+    if isinstance(tree, dict):
+        return {key: map_leaves(value, fn) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)) and not _is_plain_sequence(tree):
+        mapped = [map_leaves(value, fn) for value in tree]
+        return mapped if isinstance(tree, list) else tuple(mapped)
+    return fn(tree)
+
+
+def _is_plain_sequence(seq: list | tuple) -> bool:
+    """A list of numbers/strings (betas, param names) is one leaf, not a subtree."""
+    return all(isinstance(v, (int, float, str, bool, type(None))) for v in seq)
+
+
+def is_tensor_leaf(leaf: Leaf) -> bool:
+    return isinstance(leaf, (Tensor, FlatShard))
+
+
+def tensor_paths(tree: Any) -> set[str]:
+    return {"/".join(path) for path, leaf in walk(tree) if is_tensor_leaf(leaf)}
+
+
+def check_same_keys(expected: set[str], found: set[str], url: str) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"Checkpoint {url!r} does not match this model/optimizer: missing keys {missing[:20]}"
+            f"{' ...' if len(missing) > 20 else ''}, unexpected keys {unexpected[:20]}"
+            f"{' ...' if len(unexpected) > 20 else ''}. It was probably saved from another model; load it into"
+            " the model it was saved from."
+        )
+
+
+def stage(tree: Any) -> Any:
+    """Copy every tensor off the live state (to CPU), leaving other leaves as they are."""
+
+    def copy(leaf: Leaf) -> Leaf:
+        if isinstance(leaf, FlatShard):
+            return FlatShard(_to_cpu(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
+        if isinstance(leaf, Tensor):
+            return _to_cpu(leaf)
+        return leaf
+
+    return map_leaves(tree, copy)
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone()
+    return t.to("cpu", non_blocking=False)
