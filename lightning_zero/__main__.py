@@ -1,0 +1,3 @@
+from lightning_zero.cli import main
+
+main()
