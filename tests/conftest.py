@@ -1,4 +1,4 @@
-"""Shared fixtures: an in-process one-rank gloo group, and a hypothesis profile for slow CPUs."""
+"""Shared test setup: fork-server preload, a one-rank in-process gloo group, a hypothesis profile."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from _dist import FORKSERVER_PRELOAD, free_port
 from hypothesis import HealthCheck, settings
 
-from _dist import free_port
+# Before any fork server starts: run_distributed(..., start_method="forkserver") then forks ranks
+# from a process that has imported torch and lightning_zero once.
+mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 settings.register_profile("lightning_zero", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("lightning_zero")

@@ -53,6 +53,8 @@ class Case:
     stage: int = 2
     bucket_size_mb: float = 0.0005  # ~500 bytes: several buckets even for this tiny model
     overlap: bool = True
+    skip_branch_at: tuple[tuple[int, int], ...] = ()
+    """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -70,13 +72,20 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def global_batch(step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, micro: int, world_size: int,
+                 skip_branch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randn(4 * world_size, 7, generator=g)
     # Make slice 0 take the branch and the last slice skip it (when there are 2+ slices).
     x[0, 0] = 1.0
     x[-4, 0] = -1.0
+    if skip_branch:  # the first row of every 4-row slice decides: no slice takes the branch
+        x[0::4, 0] = -1.0
     return x, torch.randn(4 * world_size, 7, generator=g)
+
+
+def case_batch(case: Case, step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return global_batch(step, micro, world_size, skip_branch=(step, micro) in case.skip_branch_at)
 
 
 def initial_model() -> Net:
@@ -97,7 +106,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     for step in range(case.steps):
         opt.zero_grad()
         for micro in range(case.accumulate):
-            x, y = global_batch(step, micro, world_size)
+            x, y = case_batch(case, step, micro, world_size)
             xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
             last = micro == case.accumulate - 1
             with contextlib.nullcontext() if last else engine.no_sync():
@@ -115,22 +124,29 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
         for sp in engine.sharded_params.values()
     )
+    fqn_of_master = {sp.master: sp.fqn for sp in engine.sharded_params.values()}
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "shard_numel": engine.optimizer_shard_numel,
         "masters_match": masters_match,
+        "state_names": sorted(fqn_of_master[m] for m, state in opt.state.items() if state),
     }
 
 
 def run_reference(world_size: int, case: Case) -> dict[str, torch.Tensor]:
+    return run_reference_with_state(world_size, case)[0]
+
+
+def run_reference_with_state(world_size: int, case: Case) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Plain PyTorch on the global batch; also the names of parameters that have optimizer state."""
     model = initial_model()
     opt = make_optimizer(case.optimizer, model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
         opt.zero_grad()
         for micro in range(case.accumulate):
-            x, y = global_batch(step, micro, world_size)
-            loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size)))
+            x, y = case_batch(case, step, micro, world_size)
+            loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
             (loss / world_size / case.accumulate).backward()
         if case.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)
@@ -139,9 +155,48 @@ def run_reference(world_size: int, case: Case) -> dict[str, torch.Tensor]:
         opt.step()
         if sched is not None:
             sched.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        sorted(names[p] for p, state in opt.state.items() if state),
+    )
 
 
 def run_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict[str, Any]]:
     """All cases in one process group: spawning is the slow part on 2 cores."""
     return {name: run_zero(rank, world_size, case) for name, case in cases.items()}
+
+
+BALANCE_SIZES = (1, 7, 100, 1000, 4097)
+"""Five parameters of very different sizes, none divisible by 8: whole-parameter partitioning
+(ZeroRedundancyOptimizer) would leave three of eight ranks without optimizer state."""
+
+
+class FiveParams(nn.Module):
+    def __init__(self, sizes: tuple[int, ...] = BALANCE_SIZES) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(n)) for n in sizes)
+
+    def forward(self) -> torch.Tensor:
+        return sum((w * w).sum() for w in self.weights)
+
+
+def run_balance(rank: int, world_size: int) -> dict[str, Any]:
+    """One Adam step of :class:`FiveParams`; what this rank holds."""
+    model = FiveParams()
+    engine = ZeroEngine(model, [torch.optim.Adam(model.parameters(), lr=0.1)], ZeroConfig(stage=2))
+    opt = engine.optimizers[0]
+    model().backward()
+    engine.ensure_flushed()
+    opt.step()
+    state_numel: dict[str, int] = {}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state_numel[key] = state_numel.get(key, 0) + value.numel()
+    return {
+        "shard_numel": engine.optimizer_shard_numel,
+        "per_param": [engine.sharded_params[p].shard_numel for p in model.weights],
+        "state_numel": state_numel,
+    }

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from engine_cases import Net, global_batch, initial_model, make_optimizer
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, Dataset
-
-from engine_cases import Net, global_batch, initial_model, make_optimizer
 
 
 class GlobalBatches(Dataset):
