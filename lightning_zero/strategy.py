@@ -108,6 +108,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
+            if isinstance(self.checkpoint_io, ZeroCheckpointIO):
+                saver.prepare()
             for optimizer in self._engine.optimizers:
                 # The only mutation of checkpointed tensors: a save still staging must finish first.
                 optimizer.register_step_pre_hook(lambda *_: saver.wait_for_staging())

@@ -66,6 +66,15 @@ def _world() -> tuple[int, int]:
 _coordination_group: Any = None
 
 
+def prepare() -> None:
+    """(collective, every rank, training thread) Create what background saves coordinate over:
+    the gloo group and the device mesh. The strategy calls this at setup, so that no save (in
+    ``local`` mode: no collective at all) has to make a collective on the training thread."""
+    coordination_group()
+    if _world()[1] > 1:
+        _mesh()
+
+
 def coordination_group() -> Any:
     """(collective, training thread, first call) a gloo group for background coordination."""
     global _coordination_group
