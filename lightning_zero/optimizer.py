@@ -99,11 +99,13 @@ class ZeroOptimizer(Optimizer):
 
         Buckets in which no parameter got a gradient on any rank are skipped; ``has_grad`` is
         the same on every rank (it comes from the reduced flags), so the collectives match.
+        ``all_buckets`` (after the masters were loaded) includes the frozen buckets, whose
+        loaded masters reach the model no other way.
         """
         pending = [
             bucket.launch_all_gather(self.process_group, self._async_op)
             for bucket in self._buckets
-            if bucket.communicates and (all_buckets or any(sp.has_grad for sp in bucket.params))
+            if all_buckets or (bucket.communicates and any(sp.has_grad for sp in bucket.params))
         ]
         for gather in pending:
             gather.finish()

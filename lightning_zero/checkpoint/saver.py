@@ -273,11 +273,12 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
 
 def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     tensors, objects = _split_for_dcp(state)
     if _world()[0] == 0:
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
-    writer = dcp.FileSystemWriter(version_dir, sync_files=True) if loc.is_local else dcp.FsspecWriter(
+    writer = dcp.FileSystemWriter(version_dir, sync_files=True) if loc.is_local else FsspecWriter(
         loc.fs.unstrip_protocol(version_dir), sync_files=False, **_fs_options(loc)
     )  # fsync fails on s3fs streams: durability there comes from the completed upload
     dcp.save(tensors, storage_writer=writer, process_group=group)
@@ -374,9 +375,10 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
     if marker["mode"] == "sharded":
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         version_dir = _version_dir(loc, marker)
-        reader = dcp.FileSystemReader(version_dir) if loc.is_local else dcp.FsspecReader(
+        reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
         return set(reader.read_metadata().state_dict_metadata)
     rank, world_size = _world()
@@ -480,11 +482,12 @@ def _load_local(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any
 
 def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     version_dir = _version_dir(loc, marker)
     objects = _torch_load(loc, f"{version_dir}/objects.pt")
     targets, _ = _split_for_dcp(state_dict)
-    reader = dcp.FileSystemReader(version_dir) if loc.is_local else dcp.FsspecReader(
+    reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
         loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
     try:
         saved = set(reader.read_metadata().state_dict_metadata)
