@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.checkpoint import storage
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
@@ -281,7 +282,35 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> N
     writer = dcp.FileSystemWriter(version_dir, sync_files=True) if loc.is_local else FsspecWriter(
         loc.fs.unstrip_protocol(version_dir), sync_files=False, **_fs_options(loc)
     )  # fsync fails on s3fs streams: durability there comes from the completed upload
-    dcp.save(tensors, storage_writer=writer, process_group=group)
+    try:
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+    except CheckpointException as exc:
+        raise _dcp_failure(exc) from exc
+
+
+def _dcp_failure(exc: CheckpointException) -> Exception:
+    """DCP reports the ranks' errors as one CheckpointException, a BaseException that ``except
+    Exception`` (ours, Lightning's, the user's) misses: the lowest failing rank's own error instead,
+    so a full disk or refused access is classified like any other storage error."""
+    rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+    if isinstance(cause, Exception):
+        return cause
+    return RuntimeError(f"torch.distributed.checkpoint failed on rank {rank}: {cause!r}")
+
+
+def _read_dcp_keys(loc: Location, reader: Any) -> set[str]:
+    """The tensor keys in a committed DCP directory; a clear error when its metadata is damaged."""
+    try:
+        return set(reader.read_metadata().state_dict_metadata)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
+    except OSError as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"Could not read the DCP metadata of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the"
+            " checkpoint is damaged. Resume from another checkpoint."
+        ) from exc
 
 
 def _fs_options(loc: Location) -> dict[str, Any]:
@@ -380,7 +409,7 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
         version_dir = _version_dir(loc, marker)
         reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
-        return set(reader.read_metadata().state_dict_metadata)
+        return _read_dcp_keys(loc, reader)
     rank, world_size = _world()
     content = _walk_encoded(_torch_load(loc, _rank_file(_version_dir(loc, marker), 0, marker["world_size"])))
     return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
@@ -489,12 +518,17 @@ def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, A
     targets, _ = _split_for_dcp(state_dict)
     reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
         loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+    check_same_keys(set(targets), _read_dcp_keys(loc, reader), loc.url)
     try:
-        saved = set(reader.read_metadata().state_dict_metadata)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
-    check_same_keys(set(targets), saved, loc.url)
-    dcp.load(targets, storage_reader=reader, process_group=coordination_group())
+        dcp.load(targets, storage_reader=reader, process_group=coordination_group())
+    except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
+        cause = _dcp_failure(exc)
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+            raise storage.storage_error(loc, "read", cause) from exc
+        raise CheckpointCorruptError(
+            f"Could not read the data of checkpoint {loc.url!r} ({type(cause).__name__}: {cause}); its files are"
+            " damaged or missing. Resume from another checkpoint."
+        ) from exc
     with torch.no_grad():
         for path, leaf in walk(state_dict):
             key = "/".join(path)
