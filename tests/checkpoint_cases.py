@@ -1,0 +1,247 @@
+"""Checkpoint cases for gloo process groups: train a ZeroEngine, save, load into a fresh one, compare.
+
+Functions here run inside ``run_distributed`` workers, so they live in an importable module.
+The reference state is rebuilt from every rank's shards with plain ``all_gather_object`` and
+the even-split offsets, not through the checkpoint code under test.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from engine_cases import Net, global_batch, initial_model, make_optimizer
+from torch import Tensor, nn
+
+from lightning_zero import ZeroConfig, ZeroEngine
+from lightning_zero.checkpoint import load, save
+from lightning_zero.checkpoint import state as ckpt_state
+
+MODES = ("local", "sharded", "full")
+SAVED_AT_STEP = 2
+TOTAL_STEPS = 4
+
+
+def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: float = 0.0) -> tuple[nn.Module, ZeroEngine]:
+    """A ZeRO-2 engine over ``model`` (the engine cases' Net by default) with AdamW in two groups.
+
+    ``perturb`` shifts every weight, so a load has to overwrite all of them to pass.
+    """
+    model = model if model is not None else initial_model()
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(perturb)
+    engine = ZeroEngine(model, [make_optimizer("adamw", model)], ZeroConfig(stage=2, bucket_size_mb=0.0005))
+    return model, engine
+
+
+def train(model: nn.Module, engine: ZeroEngine, steps: Iterable[int], rank: int, world_size: int) -> None:
+    opt = engine.optimizers[0]
+    for step in steps:
+        opt.zero_grad()
+        x, y = global_batch(step, 0, world_size)
+        F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        engine.ensure_flushed()
+        opt.step()
+
+
+def params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def gather_full_state(engine: ZeroEngine) -> dict[str, Any]:
+    """(collective) Master weights and optimizer state of every parameter as full tensors.
+
+    ``{"master": {fqn: tensor}, "state": {fqn: {key: tensor}}, "lr": [...]}``; scalar state
+    (Adam's ``step``) is checked to be the same on every rank.
+    """
+    opt = engine.optimizers[0]
+    mine = {}
+    for sp in engine.sharded_params.values():
+        entry = {"master": sp.master.detach().clone()}
+        entry.update({k: v.detach().clone() for k, v in opt.state.get(sp.master, {}).items()})
+        mine[sp.fqn] = (sp.layout.start(sp.rank), tuple(sp.param.shape), entry)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full: dict[str, Any] = {"master": {}, "state": {}, "lr": [g["lr"] for g in opt.param_groups]}
+    for fqn, (_, shape, _) in mine.items():
+        numel = torch.Size(shape).numel()
+        keys = {k for rank_state in everyone for k in rank_state[fqn][2]}
+        values: dict[str, Tensor] = {}
+        for key in sorted(keys):
+            pieces = [(start, entry[key]) for start, _, entry in (r[fqn] for r in everyone) if key in entry]
+            if pieces[0][1].dim() == 0:  # per-parameter scalar (step): replicated, not sharded
+                assert all(torch.equal(t, pieces[0][1]) for _, t in pieces), f"{fqn}/{key} differs between ranks"
+                values[key] = pieces[0][1]
+                continue
+            flat = torch.full((numel,), float("nan"))
+            for start, piece in pieces:
+                flat[start:start + piece.numel()] = piece
+            assert not flat.isnan().any(), f"{fqn}/{key}: the shards do not cover the tensor"
+            values[key] = flat.reshape(shape)
+        full["master"][fqn] = values.pop("master")
+        if values:
+            full["state"][fqn] = values
+    return full
+
+
+def load_into(engine: ZeroEngine, model: nn.Module, path: str, state_names: Iterable[str],
+              storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load a checkpoint of any mode into a fresh engine the way the strategy does: create the
+    optimizer state for the parameters that had some, fill the tree, restore the hyper-parameters,
+    gather the masters into the model."""
+    opt = engine.optimizers[0]
+    ckpt_state.materialize_optimizer_state(opt, set(state_names))
+    tree = ckpt_state.zero_state_dict(engine, model, for_load=True)
+    content = load(tree, path, storage_options=storage_options)
+    ckpt_state.apply_param_groups(opt, content["optimizer"][0]["param_groups"])
+    engine.publish_masters()
+    return content
+
+
+def round_trip(rank: int, world_size: int, root: str, modes: tuple[str, ...] = MODES,
+               storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train, save at step 2 in every mode, go on to step 4 (the uninterrupted run); then for each
+    mode load into a fresh engine (other weights, other lr), and train steps 2..4 again."""
+    model, engine = build(rank, world_size)
+    train(model, engine, range(SAVED_AT_STEP), rank, world_size)
+    saved = gather_full_state(engine)
+    for mode in modes:
+        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
+             storage_options=storage_options)
+    train(model, engine, range(SAVED_AT_STEP, TOTAL_STEPS), rank, world_size)
+    out: dict[str, Any] = {"saved": saved, "uninterrupted": params(model)}
+    engine.close()
+    for mode in modes:
+        fresh_model, fresh = build(rank, world_size, perturb=1.0)
+        for group in fresh.optimizers[0].param_groups:
+            group["lr"] = 0.5
+        load_into(fresh, fresh_model, f"{root}/{mode}.ckpt", saved["state"], storage_options)
+        loaded = gather_full_state(fresh)
+        loaded_params = params(fresh_model)
+        train(fresh_model, fresh, range(SAVED_AT_STEP, TOTAL_STEPS), rank, world_size)
+        out[mode] = {"loaded": loaded, "loaded_params": loaded_params, "resumed": params(fresh_model)}
+        fresh.close()
+    return out
+
+
+def save_and_gather(rank: int, world_size: int, path: str, mode: str = "sharded", steps: int = 3) -> dict[str, Any]:
+    """Train ``steps`` steps at this world size, save, and return the full state that was saved."""
+    model, engine = build(rank, world_size)
+    train(model, engine, range(steps), rank, world_size)
+    save(ckpt_state.zero_state_dict(engine, model), path, mode=mode)
+    full = gather_full_state(engine)
+    engine.close()
+    return full
+
+
+def load_and_gather(rank: int, world_size: int, path: str, state_names: list[str],
+                    extra_steps: int = 1) -> dict[str, Any]:
+    """Load at this world size into a fresh engine; the full state it holds, its model weights,
+    and the weights after ``extra_steps`` more steps (to compare loading paths with each other)."""
+    model, engine = build(rank, world_size, perturb=1.0)
+    load_into(engine, model, path, state_names)
+    out = {"loaded": gather_full_state(engine), "params": params(model)}
+    train(model, engine, range(100, 100 + extra_steps), rank, world_size)
+    out["after_steps"] = params(model)
+    engine.close()
+    return out
+
+
+class Collectives:
+    """Counts torch.distributed collectives per thread kind while installed.
+
+    Patches the public names in ``torch.distributed`` and in ``distributed_c10d`` (which
+    DCP and DeviceMesh call directly), so a collective cannot slip past through either.
+    """
+
+    NAMES = (
+        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+        "all_gather_object", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor",
+        "reduce_scatter_single", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
+        "broadcast_object_list", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+        "new_group", "new_subgroups", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    )
+
+    def __init__(self) -> None:
+        self.main: list[str] = []
+        self.background: list[str] = []
+        self._originals: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    @contextmanager
+    def counting(self) -> Iterator[Collectives]:
+        from torch.distributed import distributed_c10d
+
+        for namespace in (dist, distributed_c10d):
+            for name in self.NAMES:
+                original = getattr(namespace, name, None)
+                if original is not None:
+                    self._originals.append((namespace, name, original))
+                    setattr(namespace, name, self._wrap(name, original))
+        try:
+            yield self
+        finally:
+            for namespace, name, original in reversed(self._originals):
+                setattr(namespace, name, original)
+            self._originals.clear()
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            main = threading.current_thread() is threading.main_thread()
+            (self.main if main else self.background).append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+
+class OtherNet(Net):
+    """The engine cases' Net with one extra layer and one renamed: another model's checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(3, 3)
+        self.tail = self.head
+        del self.head
+
+    def forward(self, x: Tensor) -> Tensor:  # never trained here
+        raise NotImplementedError
+
+
+def assert_same_state(actual: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    """Bit-identical master weights, optimizer state and learning rates (as gather_full_state builds them)."""
+    assert actual["master"].keys() == expected["master"].keys(), where
+    for fqn, value in expected["master"].items():
+        assert torch.equal(actual["master"][fqn], value), f"{where}: master weight {fqn}"
+    assert actual["state"].keys() == expected["state"].keys(), f"{where}: parameters with optimizer state"
+    for fqn, entry in expected["state"].items():
+        assert actual["state"][fqn].keys() == entry.keys(), f"{where}: state keys of {fqn}"
+        for key, value in entry.items():
+            assert torch.equal(actual["state"][fqn][key], value), f"{where}: {fqn}/{key}"
+    assert actual["lr"] == expected["lr"], f"{where}: learning rates"
+
+
+def local_save_collectives(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
+    """Collectives made while a ``local`` save runs, per thread kind.
+
+    The first save of a process creates the gloo coordination group (``new_group`` is a
+    collective, on the training thread, once): it is made before counting starts. Counted: the
+    tree, ``async_save``, ``wait_for_staging`` and the blocking finalize.
+    """
+    from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, wait_for_staging
+
+    model, engine = build(rank, world_size)
+    train(model, engine, range(1), rank, world_size)
+    save(ckpt_state.zero_state_dict(engine, model), f"{root}/warm-up.ckpt", mode="local")
+    counter = Collectives()
+    with counter.counting():
+        async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/counted.ckpt", mode="local")
+        wait_for_staging()
+        maybe_finalize_async_calls(blocking=True)
+    engine.close()
+    return {"main": counter.main, "background": counter.background}
