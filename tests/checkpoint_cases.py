@@ -131,26 +131,33 @@ def round_trip(rank: int, world_size: int, root: str, modes: tuple[str, ...] = M
     return out
 
 
-def save_and_gather(rank: int, world_size: int, path: str, mode: str = "sharded", steps: int = 3) -> dict[str, Any]:
-    """Train ``steps`` steps at this world size, save, and return the full state that was saved."""
+def save_and_gather(rank: int, world_size: int, root: str, modes: tuple[str, ...] = ("sharded", "full"),
+                    steps: int = 3) -> dict[str, Any]:
+    """Train ``steps`` steps at this world size, save ``<root>/<mode>.ckpt`` in each mode, and
+    return the full state that was saved."""
     model, engine = build(rank, world_size)
     train(model, engine, range(steps), rank, world_size)
-    save(ckpt_state.zero_state_dict(engine, model), path, mode=mode)
+    for mode in modes:
+        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
     full = gather_full_state(engine)
     engine.close()
     return full
 
 
-def load_and_gather(rank: int, world_size: int, path: str, state_names: list[str],
-                    extra_steps: int = 1) -> dict[str, Any]:
-    """Load at this world size into a fresh engine; the full state it holds, its model weights,
-    and the weights after ``extra_steps`` more steps (to compare loading paths with each other)."""
-    model, engine = build(rank, world_size, perturb=1.0)
-    load_into(engine, model, path, state_names)
-    out = {"loaded": gather_full_state(engine), "params": params(model)}
-    train(model, engine, range(100, 100 + extra_steps), rank, world_size)
-    out["after_steps"] = params(model)
-    engine.close()
+def load_and_gather(rank: int, world_size: int, paths: list[str], state_names: list[str],
+                    extra_steps: int = 2) -> dict[str, dict[str, Any]]:
+    """For each path: load at this world size into a fresh engine; the full state it then holds,
+    its model weights, and the weights after ``extra_steps`` more steps."""
+    out = {}
+    for path in paths:
+        model, engine = build(rank, world_size, perturb=1.0)
+        load_into(engine, model, path, state_names)
+        result = {"loaded": gather_full_state(engine), "params": params(model),
+                  "shard_numel": engine.optimizer_shard_numel}
+        train(model, engine, range(100, 100 + extra_steps), rank, world_size)
+        result["after_steps"] = params(model)
+        engine.close()
+        out[path] = result
     return out
 
 
