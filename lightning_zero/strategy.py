@@ -8,6 +8,7 @@ state to the checkpoint plugin.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any, Literal
@@ -24,12 +25,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.plugin import TREE_TAG, ZeroCheckpointIO
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
 from lightning_zero.checkpoint.tree import FlatShard, map_leaves
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
@@ -220,12 +223,41 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """(every rank) Read the mode from the checkpoint, load the shards this rank owns at the
-        current world size, and return Lightning's part of the checkpoint."""
-        import os
+        current world size, and return Lightning's part of the checkpoint.
 
+        A damaged or incomplete ``last*`` checkpoint falls back, with a warning, to the newest
+        complete checkpoint beside it (as SageMaker HyperPod's adapter does); every rank agrees
+        on which one loaded before any state is used.
+        """
         path = os.fspath(checkpoint_path)
         io = self.checkpoint_io
         options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
+        candidates = [path]
+        if os.path.basename(path.rstrip("/")).startswith("last"):
+            candidates += storage.newest_siblings(storage.resolve(path, options))
+        first_error: Exception | None = None
+        for candidate in candidates:
+            error: Exception | None = None
+            try:
+                result = self._load_one(candidate, options)
+            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointException) as exc:
+                error = exc
+            if self.reduce_boolean_decision(error is None, all=True):
+                if self._engine is not None and self._loaded_by_strategy:
+                    self._engine.publish_masters()  # collectives only once every rank has loaded
+                if candidate != path:
+                    reason = first_error or "it failed to load on another rank"
+                    rank_zero_warn(f"Checkpoint {path!r} could not be loaded ({reason}); resumed from"
+                                   f" {candidate!r}, the newest complete checkpoint beside it.")
+                return result
+            first_error = first_error or error
+        if first_error is None:  # another rank failed; this one has nothing to report
+            raise CheckpointCorruptError(f"Checkpoint {path!r} failed to load on another rank; see its error.")
+        raise first_error
+
+    def _load_one(self, path: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Load into this rank's shards; no collective on the training group (ranks may fail apart)."""
+        self._loaded_by_strategy = False
         mode = saver.read_mode(path, options)
         module = self.lightning_module
         assert module is not None
@@ -249,7 +281,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
         objects = saver.load(tree, path, storage_options=options)
         for optimizer, saved in zip(self._engine.optimizers, objects.get("optimizer", [])):
             ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
-        self._engine.publish_masters()
         self._loaded_by_strategy = True
         return {**_unpack_object(objects["trainer"]), "state_dict": module.state_dict()}
 

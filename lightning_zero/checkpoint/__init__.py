@@ -1,5 +1,6 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
+from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.saver import (
     CheckpointSaveError,
     async_save,
@@ -12,7 +13,6 @@ from lightning_zero.checkpoint.saver import (
 )
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
 from lightning_zero.checkpoint.tree import FlatShard
-from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 
 __all__ = [
     "CheckpointCorruptError",

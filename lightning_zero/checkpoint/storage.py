@@ -174,3 +174,21 @@ def remove_stale_versions(loc: Location, keep: str) -> None:
                 loc.fs.rm(entry, recursive=True)
     except FileNotFoundError:
         pass
+
+
+def newest_siblings(loc: Location) -> list[str]:
+    """Other checkpoint files in ``loc``'s directory, newest first (fallbacks for a damaged "last")."""
+    try:
+        entries = loc.fs.ls(loc.parent, detail=True)
+    except Exception:
+        return []
+    files = [e for e in entries if e.get("type") == "file" and e["name"].rstrip("/") != loc.path.rstrip("/")
+             and ".tmp-" not in e["name"]]
+
+    def modified(entry: dict[str, Any]) -> float:
+        stamp = entry.get("mtime") or entry.get("LastModified") or entry.get("created") or 0
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+    files.sort(key=modified, reverse=True)
+    protocol = loc.url.split("://", 1)[0] + "://" if "://" in loc.url else ""
+    return [protocol + e["name"] if protocol and not e["name"].startswith(protocol) else e["name"] for e in files]

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_zero.sharding import EvenShard
