@@ -80,6 +80,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         self._engine: ZeroEngine | None = None
         self._loaded_by_strategy = False
+        self._last_shard_numel: int | None = None
 
     @property
     def stage(self) -> int:
@@ -93,8 +94,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @property
     def optimizer_shard_numel(self) -> int:
-        """Real parameter elements whose fp32 master copy and optimizer state this rank holds."""
-        return self.engine.optimizer_shard_numel
+        """Real parameter elements whose fp32 master copy and optimizer state this rank holds
+        (kept after ``fit`` ends, for inspection)."""
+        if self._engine is not None:
+            return self._engine.optimizer_shard_numel
+        if self._last_shard_numel is None:
+            raise RuntimeError("optimizer_shard_numel is known once `trainer.fit` has set the strategy up.")
+        return self._last_shard_numel
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -298,6 +304,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
+            self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
             self._engine = None
         super().teardown()
