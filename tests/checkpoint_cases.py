@@ -7,19 +7,24 @@ the even-split offsets, not through the checkpoint code under test.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from engine_cases import Net, global_batch, initial_model, make_optimizer
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_cases import NetModule, loader
 from torch import Tensor, nn
 
-from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.checkpoint import load, save
+from lightning_zero import ZeroConfig, ZeroEngine, ZeroLowLevelStrategy
+from lightning_zero.checkpoint import ZeroCheckpointIO, load, save
 from lightning_zero.checkpoint import state as ckpt_state
 
 MODES = ("local", "sharded", "full")
@@ -252,3 +257,79 @@ def local_save_collectives(rank: int, world_size: int, root: str) -> dict[str, l
         maybe_finalize_async_calls(blocking=True)
     engine.close()
     return {"main": counter.main, "background": counter.background}
+
+
+# ---- Lightning runs -------------------------------------------------------------------------
+
+
+def make_trainer(mode: str, dirpath: str | Path, max_epochs: int, *, start_method: str = "forkserver",
+                 strategy: Any = None, storage_options: dict[str, Any] | None = None,
+                 checkpointing: bool = True) -> Trainer:
+    """2 CPU ranks of ZeRO-2 over ``loader(2, 1, 2)`` (2 steps an epoch), checkpointing every epoch
+    and ``last`` to ``dirpath`` through ``ZeroCheckpointIO(mode)``."""
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy or ZeroLowLevelStrategy(stage=2, start_method=start_method),  # type: ignore[arg-type]
+        plugins=[ZeroCheckpointIO(mode=mode, storage_options=storage_options)],  # type: ignore[arg-type]
+        callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)] if checkpointing else [],
+        enable_checkpointing=checkpointing,
+        max_epochs=max_epochs,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(dirpath) if "://" not in str(dirpath) else None,
+    )
+
+
+def fit(trainer: Trainer, ckpt_path: str | None = None, perturb: bool = False) -> dict[str, Tensor]:
+    """Fit a fresh NetModule (AdamW, StepLR every step); rank 0's weights afterwards.
+
+    ``perturb`` shifts the fresh module's weights: a resumed run then matches the uninterrupted
+    one only if the checkpoint was really loaded (Lightning merely warns when ``"last"`` finds
+    nothing, and a 2-epoch run from scratch equals the uninterrupted run).
+    """
+    module = NetModule(scheduler=True)
+    if perturb:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    trainer.fit(module, loader(2, 1, 2), ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_same_weights(actual: dict[str, Tensor], expected: dict[str, Tensor], where: str) -> None:
+    assert actual.keys() == expected.keys(), where
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{where}: {name} differs by {(actual[name] - value).abs().max()}"
+
+
+class CountingStrategy(ZeroLowLevelStrategy):
+    """Records, per rank and save, the collectives that ``save_checkpoint`` makes on the training
+    thread, in ``<count_dir>/rank<r>.jsonl``. Lightning's own barrier in ``Trainer.save_checkpoint``
+    is outside: the contract is about our save path."""
+
+    def __init__(self, count_dir: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.count_dir = count_dir
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        counter = Collectives()
+        with counter.counting():
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        with open(f"{self.count_dir}/rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"path": str(filepath), "main": counter.main}) + "\n")
+
+
+_UNINTERRUPTED: dict[str, Tensor] = {}
+
+
+def uninterrupted_weights() -> dict[str, Tensor]:
+    """Rank 0's weights after 2 epochs (4 steps) without a break; computed once per test session."""
+    if not _UNINTERRUPTED:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as root:
+            _UNINTERRUPTED.update(fit(make_trainer("sharded", root, 2, checkpointing=False)))
+    return dict(_UNINTERRUPTED)
