@@ -147,6 +147,17 @@ def read_marker(loc: Location) -> dict[str, Any] | None:
 
 
 def _missing_message(loc: Location) -> str:
+    if not loc.is_local:
+        bucket = loc.path.split("/", 1)[0]
+        try:
+            bucket_exists = loc.fs.exists(bucket)
+        except Exception:  # cannot tell: the general message below still holds
+            bucket_exists = True
+        if not bucket_exists:
+            return (
+                f"No checkpoint at {loc.url!r}: the bucket {bucket!r} does not exist (or these credentials cannot"
+                " see it). Fix the path or the storage_options."
+            )
     return (
         f"No checkpoint at {loc.url!r}. If a save was in progress it did not commit (a checkpoint counts only"
         " once its commit marker is written); resume from an earlier checkpoint."

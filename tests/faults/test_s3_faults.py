@@ -1,0 +1,86 @@
+"""S3 failures: a bucket that does not exist, and access refused by moto's IAM enforcement.
+
+Access refusal is real: moto checks request signatures and IAM policies once its
+auth counter is switched on (``/moto-api/reset-auth``), and the user here has no policy.
+Nothing a failed save or load touches may change the checkpoint that is there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest_s3 import s3  # noqa: F401
+from s3_server import S3
+
+from lightning_zero.checkpoint import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    FlatShard,
+    async_save,
+    load,
+    maybe_finalize_async_calls,
+    save,
+)
+
+pytestmark = pytest.mark.s3
+
+MODES = ("local", "sharded", "full")
+
+
+@pytest.fixture(autouse=True)
+def _one_rank(single_rank_group: None) -> Iterator[None]:
+    # sharded mode builds DTensors, which need a process group; one gloo rank in this process.
+    yield
+    maybe_finalize_async_calls(blocking=True)
+
+
+def tree(value: float) -> dict[str, Any]:
+    return {"w": FlatShard(torch.full((50,), value), (50,), 0, 1), "b": torch.full((3,), value), "meta": {"n": 1}}
+
+
+def loaded_value(url: str, storage_options: dict[str, Any]) -> float:
+    target = tree(0.0)
+    load(target, url, storage_options=storage_options)
+    return target["w"].local.unique().item()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_to_a_bucket_that_does_not_exist_fails_clearly(s3: S3, mode: str) -> None:  # noqa: F811
+    url = f"s3://no-such-bucket-{mode}/run/last.ckpt"
+    async_save(tree(1.0), url, mode=mode, storage_options=s3.storage_options)
+    with pytest.raises(CheckpointSaveError, match=rf"{re.escape(url)}.*the bucket or prefix does not exist"):
+        maybe_finalize_async_calls(blocking=True)
+    assert "no-such-bucket" not in str(s3.client().list_buckets()["Buckets"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_from_a_bucket_that_does_not_exist_names_the_bucket(s3: S3, mode: str) -> None:  # noqa: F811
+    target = tree(0.0)
+    with pytest.raises(CheckpointNotFoundError, match=r"the bucket 'no-such-bucket' does not exist"):
+        load(target, "s3://no-such-bucket/run/last.ckpt", storage_options=s3.storage_options)
+    assert target["w"].local.eq(0.0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_access_fails_clearly_and_leaves_the_checkpoint_alone(s3: S3, mode: str) -> None:  # noqa: F811
+    url = s3.url(f"refused/{mode}/last.ckpt")
+    save(tree(1.0), url, mode=mode, storage_options=s3.storage_options)
+    before = {key: s3.read(s3.url(key)) for key in s3.keys(s3.url(f"refused/{mode}"))}
+    with s3.access_denied_user() as denied:
+        async_save(tree(2.0), url, mode=mode, storage_options=denied)
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(url)}.*access was refused") as save_error:
+            maybe_finalize_async_calls(blocking=True)
+        target = tree(0.0)
+        with pytest.raises(OSError, match=rf"Could not read checkpoint at {re.escape(repr(url))}: access was refused") \
+                as load_error:
+            load(target, url, storage_options=denied)
+        assert target["w"].local.eq(0.0).all()
+    for error in (save_error.value, load_error.value):
+        assert denied["secret"] not in str(error) and denied["key"] not in str(error)
+    after = {key: s3.read(s3.url(key)) for key in s3.keys(s3.url(f"refused/{mode}"))}
+    assert after == before
+    assert loaded_value(url, s3.storage_options) == 1.0
