@@ -200,3 +200,74 @@ def run_balance(rank: int, world_size: int) -> dict[str, Any]:
         "per_param": [engine.sharded_params[p].shard_numel for p in model.weights],
         "state_numel": state_numel,
     }
+
+
+def run_loss_scaling(rank: int, world_size: int, dtype_name: str, clip_norm: float) -> dict[str, Any]:
+    """fp16-style dynamic loss scaling through ``engine.grad_scaler``.
+
+    Step 0: rank 1 alone finds an inf in its shard of ``head.weight``'s gradient; step 1 is
+    clean (unscaled, clipped by the global norm, stepped). Uses SGD, whose update is not
+    invariant to the gradient's scale, so a missing unscale shows.
+    """
+    dtype = getattr(torch, dtype_name)
+    model = initial_model().to(dtype)
+    engine = ZeroEngine(model, [make_optimizer("sgd", model)], ZeroConfig(2, 0.0005))
+    opt = engine.optimizers[0]
+    scaler = engine.grad_scaler(init_scale=1024)
+
+    def scaled_backward(step: int) -> None:
+        x, y = global_batch(step, 0, world_size)
+        xs, ys = x.chunk(world_size)[rank].to(dtype), y.chunk(world_size)[rank].to(dtype)
+        scaler.scale(F.mse_loss(model(xs), ys)).backward()
+        engine.ensure_flushed()
+
+    def params() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    initial = params()
+    scaled_backward(0)
+    local_grads_finite = all(bool(m.grad.isfinite().all()) for m in opt.inner.param_groups[0]["params"]
+                             if m.grad is not None)
+    poisoned = next(sp for sp in engine.sharded_params.values() if sp.fqn == "head.weight")
+    if rank == 1:
+        assert poisoned.shard_numel > 0 and poisoned.master.grad is not None
+        poisoned.master.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    after_skip = params()
+    scale_after_skip = scaler.get_scale()
+    state_after_skip = sum(len(s) for s in opt.state.values())
+
+    opt.zero_grad()
+    scaled_backward(1)
+    scaler.unscale_(opt)
+    opt.clip_grad_norm_(clip_norm)
+    scaler.step(opt)
+    scaler.update()
+    return {
+        "initial": initial,
+        "local_grads_finite": local_grads_finite,
+        "after_skip": after_skip,
+        "scale_after_skip": scale_after_skip,
+        "state_after_skip": state_after_skip,
+        "after_clean": params(),
+        "scale_after_clean": scaler.get_scale(),
+        "master_dtypes": sorted({str(sp.master.dtype) for sp in engine.sharded_params.values()}),
+        "masters_match": all(
+            torch.equal(sp.master.detach().to(dtype),
+                        sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
+            for sp in engine.sharded_params.values()
+        ),
+    }
+
+
+def reference_one_step(world_size: int, step: int, clip_norm: float) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: one SGD step on global batch ``step`` from the initial model, clipped."""
+    model = initial_model()
+    opt = make_optimizer("sgd", model)
+    x, y = global_batch(step, 0, world_size)
+    loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
+    (loss / world_size).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
