@@ -333,3 +333,37 @@ def uninterrupted_weights() -> dict[str, Tensor]:
         with tempfile.TemporaryDirectory() as root:
             _UNINTERRUPTED.update(fit(make_trainer("sharded", root, 2, checkpointing=False)))
     return dict(_UNINTERRUPTED)
+
+
+def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: int) -> dict[str, Any]:
+    """Save ``last.ckpt`` (local mode), then save it again while ``failing_rank``'s disk is full.
+    What each rank's finalize raised, and what ``last.ckpt`` holds afterwards."""
+    import errno
+
+    from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, saver
+
+    path = f"{root}/last.ckpt"
+    model, engine = build(rank, world_size)
+    save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
+    saved = gather_full_state(engine)
+    train(model, engine, range(1), rank, world_size)
+    real_write = saver._torch_save_to
+
+    def full_disk(loc: Any, target: str, obj: Any) -> None:
+        if rank == failing_rank:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(loc, target, obj)
+
+    saver._torch_save_to = full_disk
+    try:
+        async_save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
+        error = None
+        try:
+            maybe_finalize_async_calls(blocking=True)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+    finally:
+        saver._torch_save_to = real_write
+    fresh_model, fresh = build(rank, world_size, perturb=1.0)
+    load_into(fresh, fresh_model, path, saved["state"])
+    return {"error": error, "saved": saved, "loaded": gather_full_state(fresh)}

@@ -354,8 +354,14 @@ def _write_full(state: Any, loc: Location, rank: int, group: Any) -> None:
             import uuid
 
             tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
-            _torch_save_to(loc, tmp, full)
-            os.replace(tmp, loc.path)  # the file appears whole or not at all
+            try:
+                _torch_save_to(loc, tmp, full)
+                os.replace(tmp, loc.path)  # the file appears whole or not at all
+            except BaseException:
+                # A partial file must not stay behind, least of all on a full disk.
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
         else:
             _torch_save_to(loc, loc.path, full)
 

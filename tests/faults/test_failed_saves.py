@@ -1,0 +1,135 @@
+"""Saves that fail in the background: the error surfaces on the next finalize/save/teardown with
+the path and the cause, the previous checkpoint under the same name still loads its old
+values, and nothing of the failed attempt is left behind."""
+
+from __future__ import annotations
+
+import errno
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _dist import run_distributed
+from checkpoint_cases import assert_same_state, save_with_failing_rank
+
+from lightning_zero.checkpoint import (
+    CheckpointSaveError,
+    FlatShard,
+    ZeroCheckpointIO,
+    async_save,
+    load,
+    maybe_finalize_async_calls,
+    remove,
+    save,
+    saver,
+)
+from lightning_zero.checkpoint.plugin import TREE_TAG
+
+MODES = ("local", "sharded", "full")
+DISK_FULL = r"No space left on device"
+
+
+@pytest.fixture(autouse=True)
+def _one_rank(single_rank_group: None) -> Iterator[None]:
+    yield
+    maybe_finalize_async_calls(blocking=True)
+
+
+def tree(value: float) -> dict[str, Any]:
+    return {"w": FlatShard(torch.full((50,), value), (50,), 0, 1), "b": torch.full((3,), value), "meta": {"n": 1}}
+
+
+def loaded_value(path: Path) -> float:
+    target = tree(0.0)
+    load(target, str(path))
+    return target["w"].local.unique().item()
+
+
+def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """The next write fails like a full disk: part of the file is written, then ENOSPC."""
+
+    def partial_write(loc: Any, path: str, obj: Any) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if mode == "sharded":  # the tensor data goes through DCP's writer
+        def write_data(self: Any, plan: Any, planner: Any) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
+    else:
+        monkeypatch.setattr(saver, "_torch_save_to", partial_write)
+
+
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_save_raises_on_finalize_and_the_previous_checkpoint_still_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    path = tmp_path / "last.ckpt"
+    save(tree(1.0), str(path), mode=mode)
+    committed = files(tmp_path)
+    with monkeypatch.context() as patch:
+        fill_disk(patch, mode)
+        async_save(tree(2.0), str(path), mode=mode)  # returns: the failure happens in the background
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}") as error:
+            maybe_finalize_async_calls(blocking=True)
+    assert "the previous checkpoint is intact" in str(error.value)
+    assert loaded_value(path) == 1.0
+    # Nothing of the failed attempt is left: no partial data version, no temporary file.
+    assert files(tmp_path) == committed
+
+
+@pytest.mark.parametrize("mode", ["local", "full"])
+def test_failed_save_is_raised_by_the_next_save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     mode: str) -> None:
+    with monkeypatch.context() as patch:
+        fill_disk(patch, mode)
+        async_save(tree(1.0), str(tmp_path / "a.ckpt"), mode=mode)
+        with pytest.raises(CheckpointSaveError, match=rf"a\.ckpt.*{DISK_FULL}"):
+            async_save(tree(2.0), str(tmp_path / "b.ckpt"), mode=mode)
+    save(tree(3.0), str(tmp_path / "b.ckpt"), mode=mode)  # the error was raised once; saving works again
+    assert loaded_value(tmp_path / "b.ckpt") == 3.0
+
+
+def test_a_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    results = run_distributed(save_with_failing_rank, 2, str(tmp_path), 1, start_method="forkserver")
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank} did not see the failure"
+        assert re.search(rf"CheckpointSaveError: Saving checkpoint .*last\.ckpt.* failed.*rank 1: .*{DISK_FULL}",
+                         result["error"]), result["error"]
+        assert_same_state(result["loaded"], result["saved"], f"rank {rank}: previous last.ckpt")
+    versions = list((tmp_path / "_zero_data" / "last.ckpt").iterdir())
+    assert len(versions) == 1, "the failed attempt's data was not discarded"
+
+
+def test_removal_queued_behind_a_failed_save_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt"
+    save(tree(1.0), str(old), mode="local")
+    with monkeypatch.context() as patch:
+        fill_disk(patch, "local")
+        async_save(tree(2.0), str(new), mode="local")
+        remove(str(old))  # ModelCheckpoint(save_top_k=1) right after starting the newer save
+        with pytest.raises(CheckpointSaveError, match=DISK_FULL):
+            maybe_finalize_async_calls(blocking=True)
+    save(tree(3.0), str(tmp_path / "later.ckpt"), mode="local")  # one worker: the removal job has run
+    assert not new.exists()
+    assert loaded_value(old) == 1.0, "the only complete checkpoint was removed"
+
+
+def test_plugin_teardown_raises_a_background_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = ZeroCheckpointIO(mode="local")
+    with monkeypatch.context() as patch:
+        fill_disk(patch, "local")
+        plugin.save_checkpoint({TREE_TAG: "local", **tree(1.0)}, tmp_path / "last.ckpt")
+        with pytest.raises(CheckpointSaveError, match=rf"last\.ckpt.*{DISK_FULL}"):
+            plugin.teardown()
+    plugin.teardown()  # raised once
