@@ -7,6 +7,7 @@ import socket
 import tempfile
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,10 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+"""A collective that ranks do not all reach (a bug under test) fails after this, instead of
+hanging the test run for gloo's default 30 minutes."""
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # reported to the parent with the traceback
