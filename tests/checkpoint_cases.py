@@ -1,8 +1,9 @@
-"""Checkpoint cases for gloo process groups: train a ZeroEngine, save, load into a fresh one, compare.
+"""Checkpoint cases: train a ZeroEngine in a gloo group, save, load into a fresh one, compare; and
+the Lightning runs (``make_trainer``, ``fit``) that the Trainer-level checkpoint tests share.
 
-Functions here run inside ``run_distributed`` workers, so they live in an importable module.
-The reference state is rebuilt from every rank's shards with plain ``all_gather_object`` and
-the even-split offsets, not through the checkpoint code under test.
+Functions here run inside ``run_distributed`` workers and Trainer ranks, so they live in an
+importable module. The reference state is rebuilt from every rank's shards with plain
+``all_gather_object`` and the even-split offsets, not through the checkpoint code under test.
 """
 
 from __future__ import annotations
