@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero._lightning_fixes import LaunchWithFixes
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.plugin import TREE_TAG, ZeroCheckpointIO
@@ -81,6 +82,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._engine: ZeroEngine | None = None
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self._launcher is not None
+        self._launcher.launch = LaunchWithFixes(self._launcher)  # type: ignore[method-assign]
 
     @property
     def stage(self) -> int:

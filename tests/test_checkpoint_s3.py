@@ -105,14 +105,8 @@ def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Lightning #18261 (open in 2.6.6): ModelCheckpoint._find_last_checkpoints returns the s3fs"
-    " listing without its s3:// protocol, the checkpoint connector then looks for"
-    " 'bucket/run/last.ckpt' on the local disk, warns 'no last checkpoint available' and trains"
-    " from scratch. DESIGN.md requires ckpt_path='last' on S3 to work; lightning_zero does not"
-    " work around it yet."))
 @pytest.mark.parametrize("mode", ["sharded", "full"])
-def test_trainer_resumes_from_last_on_s3(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],  # noqa: F811
+def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],  # noqa: F811
                                          mode: str) -> None:
     prefix = first_epoch(mode)
     resumed = fit(make_trainer(mode, prefix, 2, start_method="spawn", storage_options=s3.storage_options),

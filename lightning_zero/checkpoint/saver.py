@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -107,7 +108,7 @@ class _AsyncSaver:
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: _PendingSave | None = None
-        self._removals: list[tuple[Location, Future | None]] = []
+        self._removals: list[tuple[Location, Future]] = []
 
     def executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -126,10 +127,12 @@ class _AsyncSaver:
             self._pending.staged.wait()
 
     def finalize(self, blocking: bool) -> bool:
-        """True when nothing is left in flight. Raises a failed save's error once."""
+        """True when nothing is left in flight. Raises a failed save's error once; a failed
+        removal only warns (the checkpoint it meant to delete is still a valid one)."""
+        self._reap_removals(blocking)
         pending = self._pending
         if pending is None:
-            return True
+            return not self._removals
         if not blocking and not pending.future.done():
             return False
         self._pending = None
@@ -152,7 +155,18 @@ class _AsyncSaver:
                 return
             storage.remove(loc)
 
-        self.executor().submit(job)
+        self._removals.append((loc, self.executor().submit(job)))
+
+    def _reap_removals(self, blocking: bool) -> None:
+        still_running = []
+        for loc, future in self._removals:
+            if not blocking and not future.done():
+                still_running.append((loc, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                rank_zero_warn(f"Could not remove old checkpoint {loc.url!r}: {error}. Delete it by hand.")
+        self._removals = still_running
 
 
 _SAVER = _AsyncSaver()
@@ -228,9 +242,22 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         raise CheckpointSaveError(
             f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
         )
+    commit_error: str | None = None
     if rank == 0 and mode != "full":
-        storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": version_dir.rsplit("/", 1)[-1]})
-        storage.remove_stale_versions(loc, keep=version_dir)
+        try:
+            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": version_dir.rsplit("/", 1)[-1]})
+        except Exception as exc:
+            commit_error = f"writing the commit marker failed: {exc}"
+            _discard(loc, version_dir)
+        else:
+            try:
+                storage.remove_stale_versions(loc, keep=version_dir)
+            except Exception as exc:  # committed already; leftovers only cost space
+                log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
+    # Every rank learns whether the commit happened, so every rank raises if it did not.
+    commit_error = _all_gather_objects(commit_error, group)[0] if mode != "full" else commit_error
+    if commit_error:
+        raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
 
 
 def _discard(loc: Location, version_dir: str) -> None:
