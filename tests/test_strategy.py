@@ -115,7 +115,6 @@ def assert_ranks_agree(probe: dict[str, Any]) -> None:
     assert probe["rank_param_spread"].item() == 0.0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_trainer_with_norm_clipping_accumulation_and_scheduler_matches_pytorch(stage: int) -> None:
     result = fit_norm_clip(stage)
@@ -125,7 +124,6 @@ def test_trainer_with_norm_clipping_accumulation_and_scheduler_matches_pytorch(s
     assert result["probe"]["masters_match"].item()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_optimizer_shard_numel_is_the_even_split_on_each_rank(stage: int) -> None:
     numels = [p.numel() for p in initial_model().parameters()]
@@ -133,7 +131,6 @@ def test_optimizer_shard_numel_is_the_even_split_on_each_rank(stage: int) -> Non
     assert fit_norm_clip(stage)["probe"]["shard_numels"].tolist() == expected
 
 
-@pytest.mark.slow
 def test_trainer_with_value_clipping_matches_pytorch() -> None:
     result = fit_value_clip()
     assert_params_close(result["params"], run_reference(DEVICES, VALUE_CASE), atol=1e-6, rtol=1e-5)
@@ -143,7 +140,6 @@ def test_trainer_with_value_clipping_matches_pytorch() -> None:
         "clip value too large to clip anything: the test would not see a missing clip"
 
 
-@pytest.mark.slow
 def test_manual_optimization_with_two_optimizers_matches_pytorch() -> None:
     result = fit_two_optimizers()
     assert_params_close(result["params"], two_optimizer_reference(3, DEVICES), atol=1e-6, rtol=1e-5)
@@ -151,7 +147,6 @@ def test_manual_optimization_with_two_optimizers_matches_pytorch() -> None:
     assert result["probe"]["masters_match"].item()
 
 
-@pytest.mark.slow
 def test_bf16_true_keeps_bf16_parameters_and_fp32_masters_and_state() -> None:
     probe = fit_precision("bf16-true")["probe"]
     assert probe["param_dtypes"] == ["torch.bfloat16"]
@@ -160,7 +155,6 @@ def test_bf16_true_keeps_bf16_parameters_and_fp32_masters_and_state() -> None:
     assert probe["masters_match"].item(), "parameters must be the masters cast to bf16"
 
 
-@pytest.mark.slow
 def test_bf16_true_loss_decreases_and_ranks_agree() -> None:
     probe = fit_precision("bf16-true")["probe"]
     losses = probe["losses"]  # [ranks, steps], each rank on its own slice of the same batch
@@ -170,7 +164,6 @@ def test_bf16_true_loss_decreases_and_ranks_agree() -> None:
     assert_ranks_agree(probe)
 
 
-@pytest.mark.slow
 def test_bf16_mixed_is_close_to_fp32_pytorch() -> None:
     result = fit_precision("bf16-mixed")
     assert result["probe"]["param_dtypes"] == ["torch.float32"]
