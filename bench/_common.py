@@ -1,0 +1,75 @@
+"""Helpers shared by the benchmarks: gloo CPU process groups on 127.0.0.1 and the machine line.
+
+A benchmark passes a function ``fn(rank, world_size, *args)``; :func:`run_on_ranks` starts one
+spawned process per rank (one thread each, so ranks do not fight over the cores), runs it, and
+returns what rank 0 returned. A failure on any rank is raised in the parent with that rank's
+traceback instead of leaving the others waiting in a collective until a timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import socket
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKEND = "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+            out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # Deprecation notices (FSDP1, renamed collectives) would bury the report.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world_size)
+    try:
+        payload: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # reported by the parent, with the traceback
+        payload = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    if rank == 0 or payload[0] == "error":
+        torch.save(payload, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Wrappers such as DDP, FSDP and ZeroEngine sit in reference cycles (hooks that close over
+    # them) and hold the process group; collect them while it is still valid.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; rank 0's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size,
+                           start_method="spawn")
+        payloads = {f: torch.load(os.path.join(out_dir, f), weights_only=False) for f in sorted(os.listdir(out_dir))}
+    errors = [body for status, body in payloads.values() if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return payloads["rank0.pt"][1]
+
+
+def describe_machine() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    accelerator = "no GPU" if not torch.cuda.is_available() else f"GPU {torch.cuda.get_device_name()} (unused)"
+    return (f"{cores} CPU cores ({platform.machine()}), {accelerator}; backend {BACKEND} on 127.0.0.1;"
+            f" torch {torch.__version__}; Python {platform.python_version()}")
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average: other processes on the machine inflate timings."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"

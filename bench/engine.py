@@ -1,0 +1,688 @@
+"""Engine benchmark: ZeRO-1/ZeRO-2 against DDP, DDP + ZeroRedundancyOptimizer and FSDP SHARD_GRAD_OP.
+
+Every method trains the same GPT-style model on the same global batches with AdamW, side by
+side in one run, on CPU processes over gloo (127.0.0.1). Per method and world size it reports
+the median step time, the optimizer-state bytes each rank holds (and their balance over ranks),
+the gradient bytes each rank holds after backward, and the loss after the last step (equal
+losses show the methods computed the same thing). It then prints PASS/FAIL against the targets
+and, computed from the layout rules rather than measured, the balance at 8 ranks.
+
+Our engine is driven directly (``ZeroEngine`` and the loop the Lightning strategy runs:
+forward, backward, ``engine.ensure_flushed()``, ``opt.step()``, ``opt.zero_grad()``), and the
+baselines are the plain PyTorch wrappers behind Lightning's ``ddp`` and
+``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, so the numbers measure the engines and not
+Lightning's training loop.
+
+[Note: interleaving] All five methods live in the same processes and take turns step by step
+(a "round" is one step of each, in an order rotated every round). A load spike from another
+process on a shared 2-core machine then lands on all methods alike, and the step-time ratios
+are taken within a round before the median, which is far steadier than timing each method in
+its own block of steps.
+
+Usage::
+
+    .venv/bin/python bench/engine.py                      # world sizes 2 and 4 (make bench)
+    .venv/bin/python bench/engine.py --quick              # small model, few rounds: a smoke run
+    .venv/bin/python bench/engine.py --world-sizes 2 --rounds 60
+
+The markdown report goes to stdout and to ``bench/out/engine.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import BACKEND, describe_machine, load_average, run_on_ranks
+from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import AdamW, Optimizer
+
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.sharding import EvenShard
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+METHODS = ("ddp", "zero1", "zero2", "ddp+zero_redundancy", "fsdp_shard_grad_op")
+PHASES = ("forward", "backward", "step", "zero_grad")
+MIB = 1024 * 1024
+
+# The targets. Every check below uses these names, so the printed report and the code agree.
+STATE_VS_EVEN_SHARE_TOLERANCE = 0.01
+MAX_BALANCE = 1.001
+MAX_ZERO2_VS_DDP = 1.25
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a 4x GELU MLP."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.n_heads = config.n_heads
+        self.ln_attn = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.attn_out = nn.Linear(d, d)
+        self.ln_mlp = nn.LayerNorm(d)
+        self.mlp_in = nn.Linear(d, 4 * d)
+        self.mlp_out = nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, d = x.shape
+        q, k, v = self.qkv(self.ln_attn(x)).split(d, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, seq, d))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, transformer blocks, final LayerNorm, tied LM head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_final = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Tied as in GPT-2: one parameter used twice, which every method must handle.
+        self.lm_head.weight = self.token_embedding.weight
+        # GPT-2's initialization; with PyTorch's N(0, 1) embeddings the tied head would start
+        # with logits of std ~sqrt(d_model) and a loss far above log(vocab).
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_final(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_model(config: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model: GPTConfig
+    batch_size: int
+    """Sequences per rank per step."""
+    warmup_rounds: int
+    timed_rounds: int
+    """Rounds of one step per method; see [Note: interleaving]."""
+    bucket_size_mb: float
+    """Our engine's bucket capacity (its default)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 1234
+
+
+FULL = BenchSettings(
+    model=GPTConfig(vocab_size=8192, seq_len=64, d_model=384, n_layers=4, n_heads=6),
+    batch_size=2, warmup_rounds=3, timed_rounds=40, bucket_size_mb=25.0,
+)
+QUICK = BenchSettings(
+    model=GPTConfig(vocab_size=2048, seq_len=32, d_model=128, n_layers=2, n_heads=4),
+    batch_size=2, warmup_rounds=2, timed_rounds=6, bucket_size_mb=25.0,
+)
+
+
+def tensor_bytes(tensors: Sequence[Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Every tensor in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq and the step counter)."""
+    return tensor_bytes([v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)])
+
+
+def unsharded_state_bytes(model: nn.Module, with_master: bool) -> int:
+    """What one process running AdamW over the whole model holds: two fp32 moments and a
+    float32 step tensor per parameter, plus an fp32 master copy for methods that keep one."""
+    params = list(model.parameters())  # tied weights appear once
+    numel = sum(p.numel() for p in params)
+    step_bytes = torch.zeros((), dtype=torch.float32).element_size() * len(params)
+    return 2 * 4 * numel + step_bytes + (4 * numel if with_master else 0)
+
+
+class Method:
+    """A training method wrapped around a fresh model: the loop calls the same verbs on each."""
+
+    name: str
+    keeps_fp32_master = False
+
+    def __init__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    def flush(self) -> None:
+        """Called right after ``backward`` (our engine's reductions are waited for here)."""
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+    def master_bytes(self) -> int:
+        return 0
+
+    def grad_bytes(self) -> int:
+        return tensor_bytes([p.grad for p in self.module.parameters()])
+
+    def shard_numel(self) -> int:
+        """Parameter elements whose optimizer state this rank holds."""
+        return sum(p.numel() for p in self.optimizer.state)
+
+
+class ZeroMethod(Method):
+    keeps_fp32_master = True
+
+    def __init__(self, model: GPT, settings: BenchSettings, stage: int) -> None:
+        self.name = f"zero{stage}"
+        inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True)
+        self.engine = ZeroEngine(model, [inner], config)
+        super().__init__(model, self.engine.optimizers[0])
+
+    def flush(self) -> None:
+        self.engine.ensure_flushed()
+
+    def master_bytes(self) -> int:
+        # The allocated flat buffers, padding included: that is what the rank holds.
+        return tensor_bytes([b.master_shard for b in self.engine.buckets])
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer) + self.master_bytes()
+
+    def grad_bytes(self) -> int:
+        # fp32 shard gradients (padding included) plus any full gradient still alive.
+        return tensor_bytes([b.grad_shard for b in self.engine.buckets]) + super().grad_bytes()
+
+    def shard_numel(self) -> int:
+        return self.engine.optimizer_shard_numel
+
+
+class DDPMethod(Method):
+    name = "ddp"
+
+    def __init__(self, model: GPT, settings: BenchSettings) -> None:
+        ddp = DDP(model)
+        super().__init__(ddp, AdamW(ddp.parameters(), lr=settings.lr, weight_decay=settings.weight_decay))
+
+
+class ZeroRedundancyMethod(Method):
+    name = "ddp+zero_redundancy"
+
+    def __init__(self, model: GPT, settings: BenchSettings) -> None:
+        ddp = DDP(model)
+        optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=AdamW, lr=settings.lr, weight_decay=settings.weight_decay
+        )
+        super().__init__(ddp, optimizer)
+        self.zero_redundancy = optimizer
+
+    def state_bytes(self) -> int:
+        # The local optimizer holds this rank's partition; the wrapper's own `state` is filled
+        # only by consolidate_state_dict.
+        return optimizer_state_bytes(self.zero_redundancy.optim)
+
+    def shard_numel(self) -> int:
+        return sum(p.numel() for g in self.zero_redundancy.optim.param_groups for p in g["params"])
+
+
+class FSDPMethod(Method):
+    name = "fsdp_shard_grad_op"
+
+    def __init__(self, model: GPT, settings: BenchSettings) -> None:
+        # What Lightning's FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", auto_wrap_policy={Block})
+        # builds, with use_orig_params=True (its default). Lightning passes device_id=None on
+        # CPU, which FSDP in this torch rejects ("needs a non-CPU accelerator device") unless
+        # the device is named, so it is named here.
+        fsdp = FSDP(
+            model,
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
+        super().__init__(fsdp, AdamW(fsdp.parameters(), lr=settings.lr, weight_decay=settings.weight_decay))
+
+
+def build_method(name: str, settings: BenchSettings) -> Method:
+    model = build_model(settings.model, settings.seed)
+    builders: dict[str, Callable[[], Method]] = {
+        "ddp": lambda: DDPMethod(model, settings),
+        "zero1": lambda: ZeroMethod(model, settings, stage=1),
+        "zero2": lambda: ZeroMethod(model, settings, stage=2),
+        "ddp+zero_redundancy": lambda: ZeroRedundancyMethod(model, settings),
+        "fsdp_shard_grad_op": lambda: FSDPMethod(model, settings),
+    }
+    return builders[name]()
+
+
+@dataclass
+class MethodResult:
+    """One method at one world size."""
+
+    world_size: int
+    method: str
+    step_ms_rounds: list[float]
+    """Per timed round, the slowest rank's step time."""
+    phase_ms: dict[str, float]
+    """Per phase, the median over rounds of the slowest rank's time."""
+    state_bytes: list[int]  # per rank, fp32 master included where kept
+    master_bytes: list[int]  # per rank
+    grad_bytes: list[int]  # per rank, after backward
+    shard_numel: list[int]  # per rank
+    final_loss: float  # mean over ranks, last step
+    unsharded_state_bytes: int
+    vs_ddp: float = float("nan")  # set once DDP's result is known
+
+    @property
+    def step_ms(self) -> float:
+        return statistics.median(self.step_ms_rounds)
+
+    @property
+    def step_ms_quartiles(self) -> tuple[float, float]:
+        q = statistics.quantiles(self.step_ms_rounds, n=4)
+        return q[0], q[2]
+
+    @property
+    def even_share(self) -> float:
+        return self.unsharded_state_bytes / self.world_size
+
+    @property
+    def state_vs_even_share(self) -> list[float]:
+        return [b / self.even_share for b in self.state_bytes]
+
+    @property
+    def state_balance(self) -> float:
+        return balance(self.state_bytes)
+
+    @property
+    def numel_balance(self) -> float:
+        return balance(self.shard_numel)
+
+
+def balance(sizes: Sequence[int]) -> float:
+    return max(sizes) / statistics.mean(sizes)
+
+
+def paired_ratio(a: MethodResult, b: MethodResult) -> float:
+    """Median over rounds of a's step time over b's in the same round ([Note: interleaving])."""
+    return statistics.median(x / y for x, y in zip(a.step_ms_rounds, b.step_ms_rounds, strict=True))
+
+
+def make_batches(settings: BenchSettings, rank: int, steps: int) -> list[tuple[Tensor, Tensor]]:
+    """Fixed random tokens per (rank, step), so every method sees the same global batches."""
+    batches = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(settings.seed + 1000 * step + rank)
+        tokens = torch.randint(settings.model.vocab_size, (settings.batch_size, settings.model.seq_len + 1),
+                               generator=generator)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def train_step(method: Method, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, list[float]]:
+    """The strategy's loop; returns the loss and the seconds spent in each of PHASES."""
+    marks = [time.perf_counter()]
+    loss = method.module(*batch)
+    marks.append(time.perf_counter())
+    loss.backward()
+    method.flush()
+    marks.append(time.perf_counter())
+    method.optimizer.step()
+    marks.append(time.perf_counter())
+    method.optimizer.zero_grad(set_to_none=True)
+    marks.append(time.perf_counter())
+    return loss.detach(), [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def gather_ints(value: int, world_size: int) -> list[int]:
+    gathered = torch.zeros(world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, torch.tensor([value], dtype=torch.int64))
+    return gathered.tolist()
+
+
+def slowest_rank_ms(phase_seconds: list[list[float]]) -> Tensor:
+    """``[rounds, 1 + phases]`` milliseconds: step total, then phases, each the max over ranks."""
+    local = torch.tensor(phase_seconds, dtype=torch.float64)
+    both = torch.cat([local.sum(dim=1, keepdim=True), local], dim=1)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return both.mul(1000)
+
+
+def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: int, reference: GPT,
+                     timings: Tensor) -> MethodResult:
+    """One more, untimed step: what each rank holds after backward and after the step."""
+    loss = method.module(*batch)
+    loss.backward()
+    method.flush()
+    grad_bytes = method.grad_bytes()
+    method.optimizer.step()
+    state_bytes, master_bytes, shard_numel = method.state_bytes(), method.master_bytes(), method.shard_numel()
+    method.optimizer.zero_grad(set_to_none=True)
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+    phase_medians = timings[:, 1:].median(dim=0).values.tolist()
+    return MethodResult(
+        world_size=world_size,
+        method=method.name,
+        step_ms_rounds=timings[:, 0].tolist(),
+        phase_ms=dict(zip(PHASES, phase_medians, strict=True)),
+        state_bytes=gather_ints(state_bytes, world_size),
+        master_bytes=gather_ints(master_bytes, world_size),
+        grad_bytes=gather_ints(grad_bytes, world_size),
+        shard_numel=gather_ints(shard_numel, world_size),
+        final_loss=loss_sum.item() / world_size,
+        unsharded_state_bytes=unsharded_state_bytes(reference, method.keeps_fp32_master),
+    )
+
+
+def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[MethodResult]:
+    """Runs on every rank: all methods, interleaved round by round ([Note: interleaving])."""
+    methods = {name: build_method(name, settings) for name in METHODS}
+    rounds = settings.warmup_rounds + settings.timed_rounds
+    batches = make_batches(settings, rank, rounds + 1)
+    phase_seconds: dict[str, list[list[float]]] = {name: [] for name in METHODS}
+    for round_index in range(rounds):
+        shift = round_index % len(METHODS)
+        for name in METHODS[shift:] + METHODS[:shift]:
+            # Ranks start each step together, so no rank's leftover work is billed to the next one.
+            dist.barrier()
+            _, phases = train_step(methods[name], batches[round_index])
+            if round_index >= settings.warmup_rounds:
+                phase_seconds[name].append(phases)
+        if rank == 0 and (round_index + 1) % 10 == 0:
+            print(f"  world size {world_size}: round {round_index + 1}/{rounds}", flush=True)
+    # An unwrapped copy: FSDP's module shows only this rank's shards of the parameters.
+    reference = build_model(settings.model, settings.seed)
+    return [
+        measure_holdings(methods[name], batches[rounds], world_size, reference, slowest_rank_ms(phase_seconds[name]))
+        for name in METHODS
+    ]
+
+
+def results_table(results: list[MethodResult]) -> list[str]:
+    lines = [
+        "| world size | method | step ms (median) | p25-p75 ms | vs DDP (paired) | opt state MiB/rank (max) "
+        "| of which fp32 master | max rank vs total/ws | balance max/mean | grads MiB/rank after backward "
+        "| loss after last step |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        low, high = r.step_ms_quartiles
+        lines.append(
+            f"| {r.world_size} | {r.method} | {r.step_ms:.1f} | {low:.0f}-{high:.0f} | {r.vs_ddp:.2f}x "
+            f"| {max(r.state_bytes) / MIB:.2f} | {max(r.master_bytes) / MIB:.2f} | {max(r.state_vs_even_share):.4f} "
+            f"| {r.state_balance:.4f} | {max(r.grad_bytes) / MIB:.2f} | {r.final_loss:.5f} |"
+        )
+    return lines
+
+
+def phase_table(results: list[MethodResult]) -> list[str]:
+    lines = [
+        "| world size | method | " + " | ".join(f"{p} ms" for p in PHASES) + " |",
+        "| ---: | --- | " + " | ".join("---:" for _ in PHASES) + " |",
+    ]
+    for r in results:
+        lines.append(f"| {r.world_size} | {r.method} | " + " | ".join(f"{r.phase_ms[p]:.1f}" for p in PHASES) + " |")
+    return lines
+
+
+@dataclass
+class Check:
+    target: str
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"- {'PASS' if self.passed else 'FAIL'}: {self.target} ({self.detail})"
+
+
+def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    zero_redundancy = by_name["ddp+zero_redundancy"]
+    checks = []
+    for name in ("zero1", "zero2"):
+        r = by_name[name]
+        worst = max(abs(x - 1) for x in r.state_vs_even_share)
+        checks += [
+            Check(f"ws={r.world_size} {name}: optimizer-state bytes on every rank within"
+                  f" {STATE_VS_EVEN_SHARE_TOLERANCE:.0%} of total/world_size",
+                  worst <= STATE_VS_EVEN_SHARE_TOLERANCE,
+                  f"per rank {', '.join(f'{x:.4f}' for x in r.state_vs_even_share)} of total/ws"),
+            Check(f"ws={r.world_size} {name}: optimizer-state balance max/mean <= {MAX_BALANCE}",
+                  r.state_balance <= MAX_BALANCE,
+                  f"{r.state_balance:.5f}; ZeroRedundancyOptimizer {zero_redundancy.state_balance:.5f}"),
+            Check(f"ws={r.world_size} {name}: optimizer_shard_numel balance max/mean <= {MAX_BALANCE}",
+                  r.numel_balance <= MAX_BALANCE,
+                  f"{r.numel_balance:.5f} over {r.shard_numel}; ZeroRedundancyOptimizer"
+                  f" {zero_redundancy.numel_balance:.5f} over {zero_redundancy.shard_numel}"),
+        ]
+    return checks
+
+
+def stage_comparison(by_name: dict[str, MethodResult]) -> str:
+    """zero1 and zero2 differ in one call per bucket (all_reduce + take a row vs
+    reduce_scatter), so their ratio prices the backend's reduce_scatter."""
+    zero1, zero2 = by_name["zero1"], by_name["zero2"]
+    return (f"- info: ws={zero2.world_size} zero2 / zero1 paired ratio {paired_ratio(zero2, zero1):.3f}x"
+            " (the engine's two stages differ only in reduce_scatter vs all_reduce per bucket)")
+
+
+def speed_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    zero2, ddp = by_name["zero2"], by_name["ddp"]
+    checks = [Check(
+        f"ws={zero2.world_size} zero2 step time <= {MAX_ZERO2_VS_DDP}x DDP on {BACKEND}",
+        zero2.vs_ddp <= MAX_ZERO2_VS_DDP,
+        f"paired ratio {zero2.vs_ddp:.3f}x; medians {zero2.step_ms:.1f} ms vs {ddp.step_ms:.1f} ms",
+    )]
+    for other in (by_name["ddp+zero_redundancy"], by_name["fsdp_shard_grad_op"]):
+        ratio = paired_ratio(zero2, other)
+        checks.append(Check(
+            f"ws={zero2.world_size} zero2 no slower than {other.method}",
+            ratio <= 1.0,
+            f"paired ratio {ratio:.3f}x; medians {zero2.step_ms:.1f} ms vs {other.step_ms:.1f} ms",
+        ))
+    return checks
+
+
+def zero_redundancy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> list[int]:
+    """Elements per rank under ZeroRedundancyOptimizer's rule (``_partition_parameters``):
+    per param group, largest parameter first, each to the rank with the fewest elements so
+    far (lowest rank on ties); the running sizes carry over from one group to the next."""
+    sizes = [0] * world_size
+    for numels in group_numels:
+        for numel in sorted(numels, reverse=True):  # sorted() is stable, as in torch
+            rank = sizes.index(min(sizes))
+            sizes[rank] += numel
+    return sizes
+
+
+def even_shard_partition(numels: Sequence[int], world_size: int) -> list[int]:
+    """Elements per rank under our layout (``lightning_zero.sharding.EvenShard``)."""
+    return [sum(EvenShard(n, world_size).shard_numel(rank) for n in numels) for rank in range(world_size)]
+
+
+def param_groups_numels(model: nn.Module, split_decay: bool) -> list[list[int]]:
+    """One group, or nanoGPT's two: matrices with weight decay, vectors without."""
+    params = list(model.parameters())
+    if not split_decay:
+        return [[p.numel() for p in params]]
+    return [[p.numel() for p in params if p.dim() >= 2], [p.numel() for p in params if p.dim() < 2]]
+
+
+def computed_balance_table(models: dict[str, GPTConfig], world_size: int) -> list[str]:
+    lines = [
+        f"| model | param groups | ZeroRedundancyOptimizer max/mean at {world_size} ranks "
+        "| its emptiest rank (elements) | even shard max/mean | even shard min rank (elements) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for label, config in models.items():
+        model = build_model(config, seed=0)
+        for split_decay in (False, True):
+            groups = param_groups_numels(model, split_decay)
+            zr = zero_redundancy_partition(groups, world_size)
+            even = even_shard_partition([n for g in groups for n in g], world_size)
+            lines.append(
+                f"| {label} | {'2 (decay / no decay)' if split_decay else '1'} | {balance(zr):.4f} | {min(zr):,} "
+                f"| {balance(even):.6f} | {min(even):,} |"
+            )
+    return lines
+
+
+def partition_rule_matches(zero_redundancy: MethodResult, model: GPTConfig) -> bool:
+    """The computed ZeroRedundancyOptimizer partition equals the measured one, so the 8-rank
+    figure follows the real rule."""
+    groups = param_groups_numels(build_model(model, seed=0), split_decay=False)
+    return zero_redundancy_partition(groups, zero_redundancy.world_size) == zero_redundancy.shard_numel
+
+
+def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[str]) -> list[str]:
+    m = settings.model
+    n_params = sum(p.numel() for p in build_model(m, seed=0).parameters())
+    return [
+        f"Command: `{command}`  ",
+        f"Machine: {describe_machine()}.  ",
+        f"Model: GPT, {n_params / 1e6:.2f}M parameters (vocab {m.vocab_size}, {m.n_layers} blocks, d_model"
+        f" {m.d_model}, {m.n_heads} heads, tied LM head), sequence {m.seq_len}, batch {settings.batch_size}"
+        f" per rank, AdamW (lr {settings.lr}, weight decay {settings.weight_decay}), fp32.  ",
+        f"Timing: the five methods take turns step by step in the same processes, {settings.warmup_rounds}"
+        f" warm-up + {settings.timed_rounds} timed rounds (one step of each method per round, order rotated"
+        " every round); every step starts with a barrier and is timed on the slowest rank. *vs DDP* and"
+        " the speed targets use the median over rounds of the within-round ratio. One thread per process."
+        f" Wall time of the whole run: {elapsed_s:.0f} s. Load average (1, 5, 15 min) before each world"
+        f" size and at the end: {' / '.join(loads)}.  ",
+        "zero1/zero2 run `ZeroEngine` in a plain loop (forward, backward, `engine.ensure_flushed()`,"
+        " `opt.step()`, `opt.zero_grad()`), exactly what `ZeroLowLevelStrategy` does per step, so"
+        " Lightning's loop overhead is not measured; bucket_size_mb"
+        f" {settings.bucket_size_mb}, overlap_communication=True. ddp = `DistributedDataParallel`"
+        " (Lightning `ddp`); ddp+zero_redundancy = the same with"
+        " `ZeroRedundancyOptimizer(optimizer_class=AdamW)`; fsdp_shard_grad_op = FSDP"
+        " `ShardingStrategy.SHARD_GRAD_OP`, one unit per block, `use_orig_params=True`.",
+    ]
+
+
+COUNTING_NOTE = (
+    "What is counted. *opt state*: every tensor in the rank's optimizer state (AdamW exp_avg,"
+    " exp_avg_sq, step) plus, for zero1/zero2, the fp32 master shard buffers (padding included);"
+    " the other methods step the fp32 parameters themselves and keep no separate master."
+    " *total/ws*: what one process running AdamW over the whole model would hold (2 moments"
+    " + a step tensor per parameter, plus a full fp32 master copy for zero1/zero2), divided by"
+    " the world size. *grads*: `.grad` of the module's parameters after backward (full for DDP and"
+    " ZeroRedundancyOptimizer, sharded for FSDP), plus for zero1/zero2 the fp32 shard-gradient"
+    " buffers; DDP's internal bucket buffers are not counted. Backend: gloo, whose reduce_scatter"
+    " clones its whole input on the calling thread, all-reduces the clone and copies out this"
+    " rank's chunk, so on CPU zero2 moves as many bytes as DDP's all-reduce plus two copies (on"
+    " NCCL a reduce-scatter moves half of an all-reduce's bytes)."
+)
+
+
+def report(settings: BenchSettings, results: list[MethodResult], checks: list[Check], infos: list[str],
+           header_lines: list[str], world_sizes: Sequence[int]) -> str:
+    models = {"this run's GPT": settings.model, "small GPT (--quick model)": QUICK.model}
+    unique_models = {label: m for label, m in models.items() if label == "this run's GPT" or m != settings.model}
+    lines = [
+        *header_lines,
+        "",
+        *results_table(results),
+        "",
+        COUNTING_NOTE,
+        "",
+        "Step-time breakdown (median ms of the slowest rank; *backward* includes the gradient"
+        " reductions that do not overlap, *step* the parameter all-gather or broadcast):",
+        "",
+        *phase_table(results),
+        "",
+        "Targets:",
+        "",
+        *[c.line() for c in checks],
+        *infos,
+        "",
+        "Computed, not measured: balance of optimizer-state elements at 8 ranks, from"
+        " ZeroRedundancyOptimizer's partitioning rule (greedy by size into the least-loaded rank, per"
+        " param group; reproduced here and checked equal to the measured partition at"
+        f" {', '.join(map(str, world_sizes))} ranks) and from `lightning_zero.sharding.EvenShard`.",
+        "",
+        *computed_balance_table(unique_models, world_size=8),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, few rounds (a smoke run)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {FULL.timed_rounds})")
+    parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
+    args = parser.parse_args(argv)
+    if any(ws < 2 for ws in args.world_sizes):
+        parser.error(f"--world-sizes must all be >= 2 (this compares data parallelism), got {args.world_sizes}")
+    if args.rounds is not None and args.rounds < 2:
+        parser.error(f"--rounds must be >= 2 (quartiles need two), got {args.rounds}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        settings = dataclasses.replace(settings, timed_rounds=args.rounds)
+    command = " ".join([".venv/bin/python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
+    start = time.perf_counter()
+    results: list[MethodResult] = []
+    checks: list[Check] = []
+    infos: list[str] = []
+    loads: list[str] = []
+    for ws in args.world_sizes:
+        loads.append(load_average())
+        print(f"world size {ws}: {len(METHODS)} methods, {settings.timed_rounds} timed rounds", flush=True)
+        world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
+        by_name = {r.method: r for r in world}
+        for r in world:
+            r.vs_ddp = paired_ratio(r, by_name["ddp"])
+        if not partition_rule_matches(by_name["ddp+zero_redundancy"], settings.model):
+            raise AssertionError("the computed ZeroRedundancyOptimizer partition differs from the measured one")
+        results += world
+        checks += memory_checks(by_name) + speed_checks(by_name)
+        infos.append(stage_comparison(by_name))
+    loads.append(load_average())
+    text = report(settings, results, checks, infos,
+                  header(settings, command, time.perf_counter() - start, loads), args.world_sizes)
+    print("\n" + text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
