@@ -36,13 +36,15 @@ def all_gather(output: Tensor, input: Tensor, group: dist.ProcessGroup | None, a
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
-def copy_flat_to_rows(rows: Tensor, flat: Tensor, layout: EvenShard) -> None:
+def copy_flat_to_rows(rows: Tensor, flat: Tensor, layout: EvenShard, zero_padding: bool = False) -> None:
     """Copy a flattened parameter (or gradient) into its ``[world_size, chunk]`` row block.
 
-    ``rows`` may be a strided column slice of a larger bucket buffer; padding elements of
-    ``rows`` are left as they are (buffers are allocated zeroed).
+    ``rows`` may be a strided column slice of a larger bucket buffer. Its padding elements are
+    zeroed with ``zero_padding``, left as they are otherwise.
     """
     full, tail, chunk = layout.full_rows, layout.tail, layout.chunk
+    if zero_padding and full < layout.world_size:
+        rows[full:].zero_()
     if full:
         rows[:full].copy_(flat[: full * chunk].view(full, chunk))
     if tail:

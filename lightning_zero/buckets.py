@@ -19,6 +19,13 @@ parameters have reported, and only after every earlier bucket; whatever is left 
 in order, with missing gradients as zeros, when backward ends. So every rank issues the same
 collectives in the same order even when ranks skip different parameters, the cause of the
 hangs reported against other ZeRO implementations (PyTorch #158719, DeepSpeed #777).
+
+[Note: gloo reduce-scatter] gloo's ``reduce_scatter`` clones its whole input on the calling
+thread, all-reduces the clone and copies out one chunk: measured on 2 CPU ranks with 40 MB, 57 ms
+against 31 ms for an in-place all-reduce of the same buffer (BENCHMARKS.md). On gloo, stage 2
+therefore all-reduces its packed buffer in place and keeps its row, which moves the same bytes
+gloo would move anyway; on NCCL it uses the real reduce-scatter (half the bytes of an all-reduce).
+Either way the full gradients are freed at packing and only the fp32 shard outlives the bucket.
 """
 
 from __future__ import annotations
@@ -100,30 +107,45 @@ class GradBucket:
     def pack_gradients(self) -> Tensor:
         """Move every present gradient into a fresh ``[ws, row_numel + k]`` buffer and free it."""
         k = len(self.params)
-        buffer = torch.zeros(self.world_size, self.row_numel + k, dtype=self.dtype, device=self.device)
-        for i, sp in enumerate(self.params):
+        # Not zero-filled: every element is written below (padding zeroed per parameter), which
+        # saves a pass over the whole buffer each backward.
+        buffer = torch.empty(self.world_size, self.row_numel + k, dtype=self.dtype, device=self.device)
+        present = []
+        for sp in self.params:
             grad = sp.param.grad
+            rows = sp.rows(buffer)
             if grad is None:
+                rows.zero_()  # no gradient here: zeros in the sum (DESIGN.md, layer drop)
+                present.append(0.0)
                 continue
             if grad.is_sparse:
                 raise ValueError(
                     f"Parameter {sp.fqn!r} has a sparse gradient, which ZeRO sharding cannot split"
                     " evenly. Use dense gradients (e.g. nn.Embedding(sparse=False))."
                 )
-            comm.copy_flat_to_rows(sp.rows(buffer), grad.reshape(-1), sp.layout)
-            buffer[:, self.row_numel + i] = 1
+            comm.copy_flat_to_rows(rows, grad.reshape(-1), sp.layout, zero_padding=True)
+            present.append(1.0)
             # The full gradient dies here: stage 2 keeps only the reduced shard, and stage 1
             # holds the packed copy, so no rank keeps two full gradients alive.
             sp.param.grad = None
-        # Average as a SUM of pre-divided values (ReduceOp.AVG is not on every backend).
-        if self.world_size > 1:
+        buffer[:, self.row_numel :] = torch.tensor(present, dtype=self.dtype, device=self.device)
+        if self.predivide:
             buffer[:, : self.row_numel].div_(self.world_size)
         return buffer
 
-    def launch_reduce(self, stage: int, group: dist.ProcessGroup | None, async_op: bool) -> None:
+    @property
+    def predivide(self) -> bool:
+        """Average as a SUM of pre-divided values only where the SUM could overflow (fp16);
+        otherwise divide the reduced shard, 1/world_size of the data (ReduceOp.AVG is not on
+        every backend)."""
+        return self.world_size > 1 and self.dtype == torch.float16
+
+    def launch_reduce(self, reduce_scatter: bool, group: dist.ProcessGroup | None, async_op: bool) -> None:
+        """``reduce_scatter``: leave only this rank's row (stage 2 on NCCL); otherwise all-reduce
+        the buffer and take the row (stage 1, and stage 2 on gloo: see [Note: gloo reduce-scatter])."""
         assert self.pending is None, f"bucket {self.index} launched twice in one backward"
         buffer = self.pack_gradients()
-        if stage == 2:
+        if reduce_scatter:
             output = torch.empty(self.row_numel + len(self.params), dtype=self.dtype, device=self.device)
             work = comm.reduce_scatter(output, buffer.view(-1), group, async_op)
         else:
@@ -137,8 +159,9 @@ class GradBucket:
         pending, self.pending = self.pending, None
         if pending.work is not None:
             pending.work.wait()
-        self.grad_shard.add_(pending.output[: self.row_numel])
-        return pending.output[self.row_numel :]
+        scale = 1.0 if self.predivide or self.world_size == 1 else 1.0 / self.world_size
+        self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
+        return pending.output[self.row_numel :].clone()  # the buffer itself is released here
 
     # ---- parameter all-gather ----------------------------------------------------------
 
@@ -175,6 +198,10 @@ class _PendingGather:
                 comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)
 
 
+MAX_IN_FLIGHT = 2
+"""Bucket reductions outstanding at once (see ``GradReducer._launch_next``)."""
+
+
 class GradReducer:
     """Backward hooks that launch the bucket reductions, in a fixed order, and their flush."""
 
@@ -184,7 +211,10 @@ class GradReducer:
         self.stage = stage
         self.group = group
         self.async_op = overlap_communication
+        self.reduce_scatter = stage == 2 and dist.get_backend(group) != "gloo"
         self._next_launch = 0
+        self._next_finish = 0
+        self._counts: list[Tensor] = []
         self._callback_queued = False
         self._flushed = False
         self._sync_enabled = True
@@ -231,17 +261,31 @@ class GradReducer:
             nxt = self.buckets[self._next_launch]
             if nxt.reported < len(nxt.params):
                 break
-            nxt.launch_reduce(self.stage, self.group, self.async_op)
-            self._next_launch += 1
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        self.buckets[self._next_launch].launch_reduce(self.reduce_scatter, self.group, self.async_op)
+        self._next_launch += 1
+        # At most MAX_IN_FLIGHT packed buffers (each a full-size gradient slice) live at once:
+        # one reduction runs behind the one being filled, and older ones are folded into the
+        # fp32 shard and freed, so a full gradient never outlives its bucket for long.
+        while self._next_launch - self._next_finish > MAX_IN_FLIGHT:
+            self._finish_next()
+
+    def _finish_next(self) -> None:
+        self._counts.append(self.buckets[self._next_finish].finish_reduce())
+        self._next_finish += 1
 
     def finish_backward(self) -> None:
         """Launch what is left (in order), wait for every reduction, publish shard gradients."""
         self._callback_queued = False
         if not self._sync_enabled:
             return
-        for bucket in self.buckets[self._next_launch :]:
-            bucket.launch_reduce(self.stage, self.group, self.async_op)
-        counts = [bucket.finish_reduce() for bucket in self.buckets]
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+        while self._next_finish < len(self.buckets):
+            self._finish_next()
+        counts, self._counts = self._counts, []
         present = torch.cat(counts).gt(0).tolist() if counts else []  # one host sync per backward
         flat = (sp for bucket in self.buckets for sp in bucket.params)
         for sp, got in zip(flat, present):
@@ -250,6 +294,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.reset_backward()
         self._next_launch = 0
+        self._next_finish = 0
         self._flushed = True
 
     def ensure_flushed(self) -> None:
