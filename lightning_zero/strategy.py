@@ -8,6 +8,7 @@ state to the checkpoint plugin.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Generator
 from datetime import timedelta
@@ -314,6 +315,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
             self._engine = None
+            # Free the engine's buffers (and the collectives' references to them) now, while the
+            # process groups live: gloo freeing them during interpreter shutdown can abort a
+            # worker that finished its fit ("terminate called without an active exception").
+            gc.collect()
         super().teardown()
 
     @classmethod
