@@ -19,7 +19,7 @@ from lightning_zero.checkpoint import ZeroCheckpointIO
 def _trainer(epochs: int, dirpath: str) -> Trainer:
     return Trainer(
         accelerator="cpu", devices=2, max_epochs=epochs, logger=False, use_distributed_sampler=False,
-        strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, start_method="spawn"),
+        strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, start_method="forkserver"),
         plugins=[ZeroCheckpointIO(mode="local")],
         callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, save_last=True)],
         enable_progress_bar=False, enable_model_summary=False,
