@@ -446,7 +446,14 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
         return _read_dcp_keys(loc, reader)
     rank, world_size = _world()
-    content = _walk_encoded(_torch_load(loc, _rank_file(_version_dir(loc, marker), 0, marker["world_size"])))
+    # This rank's own file when the world size matches (the load that follows then reuses it),
+    # rank 0's otherwise (the load will refuse the world size with a clear message).
+    reader_rank = rank if world_size == marker["world_size"] else 0
+    path = _rank_file(_version_dir(loc, marker), reader_rank, marker["world_size"])
+    raw = _torch_load(loc, path)
+    _READ_AHEAD.clear()  # at most one file held
+    _READ_AHEAD[path] = raw
+    content = _walk_encoded(raw)
     return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
 
 
@@ -455,7 +462,13 @@ def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None)
     return "full" if marker is None else marker["mode"]
 
 
+_READ_AHEAD: dict[str, Any] = {}
+"""A rank file read by :func:`saved_tensor_keys`, handed to the load that follows (read once)."""
+
+
 def _torch_load(loc: Location, path: str) -> Any:
+    if path in _READ_AHEAD:
+        return _READ_AHEAD.pop(path)
     try:
         with loc.fs.open(path, "rb") as f:
             data = f.read()
