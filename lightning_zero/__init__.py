@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint import ZeroCheckpointIO
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.sharding import EvenShard
@@ -9,5 +10,5 @@ from lightning_zero.strategy import ZeroLowLevelStrategy
 
 ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["EvenShard", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer"]
+__all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer"]
 __version__ = "0.1.0"
