@@ -183,7 +183,8 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     validate_mode(mode)
     group = coordination_group()
     loc = storage.resolve(checkpoint_id, storage_options)
-    snapshot = map_leaves(state_dict, lambda leaf: leaf if is_tensor_leaf(leaf) else _copy_object(leaf))
+    # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
+    snapshot = map_leaves(state_dict, lambda leaf: leaf)
     _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged))
 
 
@@ -208,10 +209,6 @@ def wait_for_staging() -> None:
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
     """(one rank) Delete a checkpoint, after the save in flight has committed."""
     _SAVER.remove_after_pending(storage.resolve(checkpoint_id, storage_options))
-
-
-def _copy_object(leaf: Any) -> Any:
-    return leaf  # non-tensor leaves are rebuilt by the caller for every save
 
 
 # ---- the background job -------------------------------------------------------------------
