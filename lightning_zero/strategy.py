@@ -35,7 +35,6 @@ from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.plugin import TREE_TAG, ZeroCheckpointIO
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
-from lightning_zero.checkpoint.tree import FlatShard, map_leaves
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -208,7 +207,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
         tree = self._checkpoint_tree(checkpoint, "full")
-        full = map_leaves(tree, lambda leaf: saver._gather_to_rank0(leaf, None) if isinstance(leaf, FlatShard) else leaf)
+        full = saver.gather_tree_to_rank0(tree, None)  # on the training group, this thread
         if self.is_global_zero:
             full.pop(TREE_TAG)
             io.save_checkpoint(full, filepath, storage_options=storage_options)

@@ -39,3 +39,32 @@ def test_bad_checkpoint_mode_is_a_clear_error():
 def test_repr_hides_storage_options():
     io = ZeroCheckpointIO(storage_options={"key": "AKIA-SECRET", "secret": "s3cr3t"})
     assert "s3cr3t" not in repr(io) and "AKIA" not in repr(io)
+
+
+def test_plain_lightning_checkpoint_io_gets_one_full_file_from_rank_0(tmp_path):
+    import torch
+    from engine_cases import make_optimizer
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_cases import NetModule, loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=2, max_epochs=1, logger=False, use_distributed_sampler=False,
+        strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, start_method="forkserver"),
+        plugins=[TorchCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="plain")],
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = NetModule()
+    trainer.fit(module, loader(2, 1, 2))
+    checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert "lightning_zero" not in checkpoint  # an ordinary Lightning checkpoint
+    # Gathered, full-size moments in PyTorch's per-parameter form (indices in param-group order),
+    # which the same optimizer built without this package accepts.
+    optimizer = make_optimizer("adamw", module.net)
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    state = checkpoint["optimizer_states"][0]["state"]
+    assert len(state) > 0
+    for index, moments in state.items():
+        assert moments["exp_avg"].shape == ordered[index].shape
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert "net.dropped.weight" in checkpoint["state_dict"]

@@ -373,7 +373,7 @@ def _mesh() -> Any:
 
 
 def _write_full(state: Any, loc: Location, rank: int, group: Any) -> None:
-    full = map_leaves(state, lambda leaf: _gather_to_rank0(leaf, group) if isinstance(leaf, FlatShard) else leaf)
+    full = gather_tree_to_rank0(state, group)
     if rank == 0:
         if loc.is_local:
             import os
@@ -390,6 +390,11 @@ def _write_full(state: Any, loc: Location, rank: int, group: Any) -> None:
                 raise
         else:
             _torch_save_to(loc, loc.path, full)
+
+
+def gather_tree_to_rank0(tree: Any, group: Any) -> Any:
+    """(collective, every rank) Every FlatShard of ``tree`` as a whole tensor on rank 0 (None elsewhere)."""
+    return map_leaves(tree, lambda leaf: _gather_to_rank0(leaf, group) if isinstance(leaf, FlatShard) else leaf)
 
 
 def _gather_to_rank0(shard: FlatShard, group: Any) -> Tensor | None:
