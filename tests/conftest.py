@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,12 @@ from hypothesis import HealthCheck, settings
 # Before any fork server starts: run_distributed(..., start_method="forkserver") then forks ranks
 # from a process that has imported torch and lightning_zero once.
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+# The S3 tests' moto endpoint, exported now so that workers forked from the fork server (which
+# keeps the environment it started with) reach it; tests/s3_server.py starts moto on this port.
+_s3_port = os.environ.setdefault("LIGHTNING_ZERO_TEST_S3_PORT", str(free_port()))
+os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                  AWS_ENDPOINT_URL=f"http://127.0.0.1:{_s3_port}")
 
 settings.register_profile("lightning_zero", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("lightning_zero")

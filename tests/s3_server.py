@@ -79,6 +79,8 @@ class S3:
             requests.post(f"{self.endpoint_url}/moto-api/reset-auth", data=b"inf", timeout=10).raise_for_status()
 
 
+PORT_VARIABLE = "LIGHTNING_ZERO_TEST_S3_PORT"
+
 ENV = {
     "AWS_ACCESS_KEY_ID": ROOT_KEY,
     "AWS_SECRET_ACCESS_KEY": ROOT_KEY,
@@ -94,7 +96,10 @@ def moto_s3(bucket: str = "lightning-zero-tests") -> Iterator[S3]:
     ``storage_options``: Lightning's ``ModelCheckpoint`` and its ``ckpt_path="last"`` lookup.
     Processes started with ``spawn`` after this inherit it (a fork server started earlier does not).
     """
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    # conftest.py picks the port and exports the endpoint before any fork server starts, so that
+    # Trainer workers forked from it reach moto too.
+    port = int(os.environ.get(PORT_VARIABLE) or free_port())
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"

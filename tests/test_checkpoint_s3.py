@@ -2,8 +2,8 @@
 
 Functional round trips of all three modes at 2 ranks, and Trainer runs for ``sharded`` and
 ``full`` with ``ModelCheckpoint(dirpath="s3://...")`` resumed from ``s3://.../last.ckpt`` and
-from ``"last"``. Trainer ranks are spawned (not forked from the fork server) so that they
-inherit the AWS endpoint that Lightning's own s3fs calls need.
+from ``"last"``. Trainer ranks fork from the fork server, which inherits the AWS endpoint that
+Lightning's own s3fs calls need because conftest.py exports it before the server starts.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def first_epoch(s3: S3) -> Any:  # noqa: F811
     def run(mode: str) -> str:
         if mode not in made:
             prefix = s3.fresh_prefix(f"trainer-{mode}")
-            fit(make_trainer(mode, prefix, 1, start_method="spawn", storage_options=s3.storage_options))
+            fit(make_trainer(mode, prefix, 1, start_method="forkserver", storage_options=s3.storage_options))
             made[mode] = prefix
         return made[mode]
 
@@ -98,7 +98,7 @@ def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted:
     prefix = first_epoch(mode)
     assert {f"{prefix}/epoch=0-step=2.ckpt", f"{prefix}/last.ckpt"} <= {f"s3://{s3.bucket}/{k}" for k in s3.keys(prefix)}
     elsewhere = s3.fresh_prefix(f"resumed-{mode}")
-    resumed = fit(make_trainer(mode, elsewhere, 2, start_method="spawn", storage_options=s3.storage_options),
+    resumed = fit(make_trainer(mode, elsewhere, 2, start_method="forkserver", storage_options=s3.storage_options),
                   ckpt_path=f"{prefix}/last.ckpt", perturb=True)
     assert_same_weights(resumed, uninterrupted, f"{mode}: resumed from {prefix}/last.ckpt")
     assert f"{elsewhere.removeprefix(f's3://{s3.bucket}/')}/last.ckpt" in s3.keys(elsewhere)
@@ -109,6 +109,6 @@ def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted:
 def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],  # noqa: F811
                                          mode: str) -> None:
     prefix = first_epoch(mode)
-    resumed = fit(make_trainer(mode, prefix, 2, start_method="spawn", storage_options=s3.storage_options),
+    resumed = fit(make_trainer(mode, prefix, 2, start_method="forkserver", storage_options=s3.storage_options),
                   ckpt_path="last", perturb=True)
     assert_same_weights(resumed, uninterrupted, f"{mode}: resumed from 'last' in {prefix}")
