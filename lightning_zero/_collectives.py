@@ -60,9 +60,9 @@ def copy_rows_to_flat(flat: Tensor, rows: Tensor, layout: EvenShard) -> None:
         flat[full * chunk :].copy_(rows[full, :tail])
 
 
-def all_reduce_sum_(value: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Synchronous in-place SUM, a no-op in a one-rank world."""
+def all_reduce_(value: Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> Tensor:
+    """Synchronous in-place all-reduce, a no-op in a one-rank world."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(value, op=op, group=group)
     return value
 

@@ -58,15 +58,23 @@ class ShardedParam:
         self.rank = rank
         self.bucket = bucket
         self.offset = offset  # where this parameter's chunk starts inside a bucket row
-        start, end = layout.start(rank), layout.end(rank)
+        n = layout.shard_numel(rank)
         # 1D views into the bucket's flat buffers, real elements only (the padding is not
         # the optimizer's business and is never written).
-        self.master = nn.Parameter(bucket.master_shard[offset : offset + end - start])
-        self.grad_shard = bucket.grad_shard[offset : offset + end - start]
+        self.master = nn.Parameter(bucket.master_shard[offset : offset + n])
+        self.grad_shard = bucket.grad_shard[offset : offset + n]
         self.has_grad = False  # some rank produced a gradient since the last zero_grad
         self.reported = False  # this rank's hook fired in the current backward
-        with torch.no_grad():
-            self.master.copy_(param.detach().reshape(-1)[start:end])
+        self.load_master_from(param.detach())
+
+    def own_elements(self, full: Tensor) -> Tensor:
+        """This rank's elements of a tensor shaped like the parameter (1D view)."""
+        return full.reshape(-1)[self.layout.local_slice(self.rank)]
+
+    @torch.no_grad()
+    def load_master_from(self, full: Tensor) -> None:
+        """Set the master shard from a whole tensor shaped like the parameter."""
+        self.master.copy_(self.own_elements(full))
 
     @property
     def shard_numel(self) -> int:

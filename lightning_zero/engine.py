@@ -117,8 +117,7 @@ class ZeroEngine:
     def refresh_masters_from_params(self) -> None:
         """Re-read the master shards from the model (after the model's weights were loaded)."""
         for sp in self.sharded_params.values():
-            start, end = sp.layout.start(sp.rank), sp.layout.end(sp.rank)
-            sp.master.copy_(sp.param.detach().reshape(-1)[start:end])
+            sp.load_master_from(sp.param.detach())
 
     def publish_masters(self) -> None:
         """All-gather every master shard into the model (after the masters were loaded)."""

@@ -119,13 +119,11 @@ class ZeroOptimizer(Optimizer):
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max() \
                 if grads else torch.zeros((), device=device)
-            total = local.clone()
-            if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = comm.all_reduce_(local, self.process_group, dist.ReduceOp.MAX)
         else:
             powered = torch.stack([g.float().abs().pow(norm_type).sum() for g in grads]).sum() \
                 if grads else torch.zeros((), device=device)
-            total = comm.all_reduce_sum_(powered, self.process_group).pow(1.0 / norm_type)
+            total = comm.all_reduce_(powered, self.process_group).pow(1.0 / norm_type)
         clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if grads:
             torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))

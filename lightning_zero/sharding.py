@@ -49,6 +49,10 @@ class EvenShard:
         self._check_rank(rank)
         return min((rank + 1) * self.chunk, self.numel)
 
+    def local_slice(self, rank: int) -> slice:
+        """The elements of the flattened (unpadded) tensor that ``rank`` owns, as a slice."""
+        return slice(self.start(rank), self.end(rank))
+
     def shard_numel(self, rank: int) -> int:
         """Real (unpadded) elements ``rank`` owns; 0 only for trailing ranks of tiny parameters."""
         return self.end(rank) - self.start(rank)

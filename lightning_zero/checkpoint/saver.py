@@ -440,13 +440,7 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     if marker is None:
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
     if marker["mode"] == "sharded":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        version_dir = _version_dir(loc, marker)
-        reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
-            loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
-        return _read_dcp_keys(loc, reader)
+        return _read_dcp_keys(loc, _dcp_reader(loc, _version_dir(loc, marker)))
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
     # rank 0's otherwise (the load will refuse the world size with a clear message).
@@ -559,15 +553,22 @@ def _load_local(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any
     return content
 
 
-def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> dict[str, Any]:
+def _dcp_reader(loc: Location, version_dir: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    if loc.is_local:
+        return dcp.FileSystemReader(version_dir)
+    return FsspecReader(loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+
+
+def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
 
     version_dir = _version_dir(loc, marker)
     objects = _torch_load(loc, f"{version_dir}/objects.pt")
     targets, _ = _split_for_dcp(state_dict)
-    reader = dcp.FileSystemReader(version_dir) if loc.is_local else FsspecReader(
-        loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+    reader = _dcp_reader(loc, version_dir)
     check_same_keys(set(targets), _read_dcp_keys(loc, reader), loc.url)
     try:
         dcp.load(targets, storage_reader=reader, process_group=coordination_group())

@@ -130,9 +130,8 @@ def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[s
         opt.state.clear()
         for index, entry in saved["state"].items():
             sp = opt.sharded_params[int(index)]
-            start, end = sp.layout.start(sp.rank), sp.layout.end(sp.rank)
             opt.state[sp.master] = {
-                k: v.reshape(-1)[start:end].to(sp.master.device, sp.master.dtype).clone()
+                k: sp.own_elements(v).to(sp.master.device, sp.master.dtype).clone()
                 if _is_full_state(k, v, sp) else v
                 for k, v in entry.items()
             }

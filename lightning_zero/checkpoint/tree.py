@@ -38,8 +38,7 @@ class FlatShard:
         """Fill ``local`` from the whole tensor (any world size wrote it)."""
         if full.numel() != self.numel:
             raise ValueError(f"expected {self.numel} elements {self.shape}, checkpoint has {tuple(full.shape)}")
-        start, end = self.layout.start(self.rank), self.layout.end(self.rank)
-        self.local.copy_(full.reshape(-1)[start:end])
+        self.local.copy_(full.reshape(-1)[self.layout.local_slice(self.rank)])
 
 
 Leaf = Any
