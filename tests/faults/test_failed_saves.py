@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, save_with_failing_rank
+from fault_cases import MODES, tree
 
 from lightning_zero.checkpoint import (
     CheckpointSaveError,
-    FlatShard,
     ZeroCheckpointIO,
     async_save,
     load,
@@ -29,18 +27,14 @@ from lightning_zero.checkpoint import (
 )
 from lightning_zero.checkpoint.plugin import TREE_TAG
 
-MODES = ("local", "sharded", "full")
 DISK_FULL = r"No space left on device"
 
 
 @pytest.fixture(autouse=True)
-def _one_rank(single_rank_group: None) -> Iterator[None]:
-    yield
-    maybe_finalize_async_calls(blocking=True)
+def _one_rank(one_rank: None) -> None:
+    pass
 
 
-def tree(value: float) -> dict[str, Any]:
-    return {"w": FlatShard(torch.full((50,), value), (50,), 0, 1), "b": torch.full((3,), value), "meta": {"n": 1}}
 
 
 def loaded_value(path: Path) -> float:

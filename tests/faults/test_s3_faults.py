@@ -8,18 +8,16 @@ Nothing a failed save or load touches may change the checkpoint that is there.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from conftest_s3 import s3  # noqa: F401
+from fault_cases import MODES, tree
 from s3_server import S3
 
 from lightning_zero.checkpoint import (
     CheckpointNotFoundError,
     CheckpointSaveError,
-    FlatShard,
     async_save,
     load,
     maybe_finalize_async_calls,
@@ -28,18 +26,13 @@ from lightning_zero.checkpoint import (
 
 pytestmark = pytest.mark.s3
 
-MODES = ("local", "sharded", "full")
 
 
 @pytest.fixture(autouse=True)
-def _one_rank(single_rank_group: None) -> Iterator[None]:
-    # sharded mode builds DTensors, which need a process group; one gloo rank in this process.
-    yield
-    maybe_finalize_async_calls(blocking=True)
+def _one_rank(one_rank: None) -> None:
+    pass
 
 
-def tree(value: float) -> dict[str, Any]:
-    return {"w": FlatShard(torch.full((50,), value), (50,), 0, 1), "b": torch.full((3,), value), "meta": {"n": 1}}
 
 
 def loaded_value(url: str, storage_options: dict[str, Any]) -> float:
