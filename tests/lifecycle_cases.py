@@ -208,3 +208,19 @@ def staging_overlap(rank: int, world_size: int, root: str, delay: float) -> list
     t = trainer(world_size, "local", root, callbacks=[callback, clock])
     t.fit(TimedNet(clock), loader(STEPS, 1, world_size))
     return clock.events
+
+
+def fit_steps(rank: int, world_size: int, root: str, mode: str, precision: str, max_steps: int,
+              ckpt_path: str | None = None, save: bool = False) -> dict[str, torch.Tensor]:
+    """Fit NetModule (AdamW, StepLR) to ``max_steps`` at ``precision``, 2 steps an epoch (a resume
+    at an epoch boundary sees the same batches as the uninterrupted run); the weights afterwards.
+    ``save``: a checkpoint at every epoch's end."""
+    as_torchrun(rank, world_size)
+    module = NetModule(scheduler=True)
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=f"{root}/ckpts", save_top_k=-1)] if save else []
+    t = trainer(world_size, mode, root, callbacks=callbacks, precision=precision)
+    # Stop by epochs (2 steps each), as a resumed run is normally configured.
+    t.fit_loop.epoch_loop.max_steps = -1
+    t.fit_loop.max_epochs = max_steps // 2
+    t.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
