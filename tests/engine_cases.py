@@ -53,6 +53,8 @@ class Case:
     stage: int = 2
     bucket_size_mb: float = 0.0005  # ~500 bytes: several buckets even for this tiny model
     overlap: bool = True
+    overlap_param_gather: bool = True
+    reduce_dtype: str | None = None
     skip_branch_at: tuple[tuple[int, int], ...] = ()
     """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -100,7 +102,8 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
-                        ZeroConfig(case.stage, case.bucket_size_mb, case.overlap))
+                        ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
+                                   case.reduce_dtype))
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
@@ -120,13 +123,15 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         opt.step()
         if sched is not None:
             sched.step()
+    # Through the module first: that read finishes the last step's overlapped gathers.
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
     masters_match = all(
         torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
         for sp in engine.sharded_params.values()
     )
     fqn_of_master = {sp.master: sp.fqn for sp in engine.sharded_params.values()}
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params": params,
         "shard_numel": engine.optimizer_shard_numel,
         "masters_match": masters_match,
         "state_names": sorted(fqn_of_master[m] for m, state in opt.state.items() if state),

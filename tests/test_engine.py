@@ -45,6 +45,9 @@ CASES: dict[str, Case] = {
     # No rank takes the branch in step 2: it must not move although it has momentum.
     **_both_stages("branch-skipped-everywhere", Case(optimizer="sgd", skip_branch_at=((2, 0),))),
     **_both_stages("no-overlap", Case(overlap=False)),
+    **_both_stages("no-gather-overlap", Case(overlap_param_gather=False)),
+    # Gradients summed in float64 under fp32 parameters: equal to PyTorch within fp32 tolerance.
+    **_both_stages("reduce-float64", Case(optimizer="adam", reduce_dtype="float64", accumulate=2)),
     **_both_stages("one-bucket", Case(bucket_size_mb=64.0)),
     **_both_stages("everything", Case(optimizer="adam", accumulate=2, clip_norm=0.05, scheduler=True)),
 }
