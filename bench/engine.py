@@ -42,7 +42,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import BACKEND, PeakRSS, describe_machine, load_average, release_free_memory, rss_bytes, run_on_ranks
+from _common import (
+    BACKEND,
+    PeakRSS,
+    describe_machine,
+    load_average,
+    release_free_memory,
+    rss_bytes,
+    run_on_ranks,
+)
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
@@ -212,7 +220,8 @@ class ZeroMethod(Method):
     def __init__(self, model: GPT, settings: BenchSettings, stage: int) -> None:
         self.name = f"zero{stage}"
         inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-        config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True)
+        config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
+                            overlap_param_gather=True)
         self.engine = ZeroEngine(model, [inner], config)
         super().__init__(model, self.engine.optimizers[0])
 
@@ -487,6 +496,62 @@ def results_table(results: list[MethodResult]) -> list[str]:
     return lines
 
 
+MODEL_STATE_FORMULA = {
+    # (bytes per parameter that every rank holds in full, bytes per parameter divided over ranks)
+    # in the ZeRO paper's accounting (Rajbhandari et al. 2020, sec. 5: Psi params, K bytes of
+    # optimizer state per parameter), fp32: 4 B parameter, 4 B gradient, AdamW K = 8 B (+4 B master).
+    "ddp": (4 + 4 + 8, 0),  # baseline: everything replicated
+    "ddp+zero_redundancy": (4 + 4, 8),  # P_os
+    "zero1": (4 + 4, 8 + 4),  # P_os with an fp32 master (K = 12); see memory_note for the grads
+    "zero2": (4, 4 + 8 + 4),  # P_os+g
+    "fsdp_shard_grad_op": (4, 4 + 8),  # P_os+g (full parameters only from forward to backward)
+}
+FORMULA_TEXT = {
+    "ddp": "(4+4+8)Ψ", "ddp+zero_redundancy": "(4+4)Ψ + 8Ψ/N", "zero1": "(4+4)Ψ + 12Ψ/N",
+    "zero2": "4Ψ + 16Ψ/N", "fsdp_shard_grad_op": "4Ψ + 12Ψ/N",
+}
+
+
+def formula_bytes(method: str, numel: int, world_size: int) -> float:
+    replicated, sharded = MODEL_STATE_FORMULA[method]
+    return replicated * numel + sharded * numel / world_size
+
+
+def memory_table(results: list[MethodResult]) -> list[str]:
+    lines = [
+        "| world size | method | ZeRO-paper model states | formula MiB | resident MiB/rank (max) | resident / formula "
+        "| forward peak MiB | backward peak MiB | step peak MiB | step peak / param bytes |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        numel = r.param_bytes // 4
+        formula = formula_bytes(r.method, numel, r.world_size)
+        peak = {phase: max(v) for phase, v in r.phase_peak_bytes.items()}
+        lines.append(
+            f"| {r.world_size} | {r.method} | {FORMULA_TEXT[r.method]} | {formula / MIB:.1f} "
+            f"| {max(r.resident_bytes) / MIB:.1f} | {max(r.resident_bytes) / formula:.2f} "
+            f"| {peak['forward'] / MIB:.1f} | {peak['backward'] / MIB:.1f} | {peak['step'] / MIB:.1f} "
+            f"| {peak['step'] / r.param_bytes:.2f} |"
+        )
+    return lines
+
+
+MEMORY_NOTE = (
+    "Memory is measured, per rank, as resident set size (Linux /proc/self/status). *resident*: RSS"
+    " added by building the method (a fresh model) and running its first step, after `gc` and"
+    " `malloc_trim`, in the process where the methods built before it stay alive (the largest rank"
+    " shown). *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
+    " the start of the phase, minus the RSS at that start, in one extra untimed step; the step"
+    " phase includes finishing the overlapped parameter gathers. The formula is the ZeRO paper's"
+    " model-state accounting in fp32 (Ψ parameters, N ranks, AdamW's two moments = 8 B, plus 4 B"
+    " of fp32 master for zero1/zero2); it leaves out activations and communication buffers, which"
+    " the measurement includes (DDP keeps a gradient-sized set of bucket buffers besides `.grad`,"
+    " ZeRO keeps MAX_IN_FLIGHT bucket-sized slots). zero1 frees each full gradient once its"
+    " bucket is packed, so between steps it holds what zero2 holds; it differs in accumulation"
+    " (full gradients kept across micro-batches)."
+)
+
+
 def phase_table(results: list[MethodResult]) -> list[str]:
     lines = [
         "| world size | method | " + " | ".join(f"{p} ms" for p in PHASES) + " |",
@@ -526,6 +591,21 @@ def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
                   f"{r.numel_balance:.5f} over {r.shard_numel}; ZeroRedundancyOptimizer"
                   f" {zero_redundancy.numel_balance:.5f} over {zero_redundancy.shard_numel}"),
         ]
+    return checks
+
+
+def step_memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    checks = []
+    for name in ("zero1", "zero2"):
+        r = by_name[name]
+        ratio = max(r.phase_peak_bytes["step"]) / r.param_bytes
+        checks.append(Check(
+            f"ws={r.world_size} {name}: optimizer step peak RSS growth <= {MAX_STEP_PEAK_VS_PARAMS}x the"
+            " parameters' bytes",
+            ratio <= MAX_STEP_PEAK_VS_PARAMS,
+            f"{ratio:.3f}x: {max(r.phase_peak_bytes['step']) / MIB:.1f} MiB for {r.param_bytes / MIB:.1f} MiB"
+            " of parameters",
+        ))
     return checks
 
 
@@ -623,7 +703,7 @@ def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[
         "zero1/zero2 run `ZeroEngine` in a plain loop (forward, backward, `engine.ensure_flushed()`,"
         " `opt.step()`, `opt.zero_grad()`), exactly what `ZeroLowLevelStrategy` does per step, so"
         " Lightning's loop overhead is not measured; bucket_size_mb"
-        f" {settings.bucket_size_mb}, overlap_communication=True. ddp = `DistributedDataParallel`"
+        f" {settings.bucket_size_mb}, overlap_communication=True, overlap_param_gather=True. ddp = `DistributedDataParallel`"
         " (Lightning `ddp`); ddp+zero_redundancy = the same with"
         " `ZeroRedundancyOptimizer(optimizer_class=AdamW)`; fsdp_shard_grad_op = FSDP"
         " `ShardingStrategy.SHARD_GRAD_OP`, one unit per block, `use_orig_params=True`.",
@@ -656,8 +736,15 @@ def report(settings: BenchSettings, results: list[MethodResult], checks: list[Ch
         "",
         COUNTING_NOTE,
         "",
+        "Memory per rank, measured, beside the ZeRO paper's formula for model states:",
+        "",
+        *memory_table(results),
+        "",
+        MEMORY_NOTE,
+        "",
         "Step-time breakdown (median ms of the slowest rank; *backward* includes the gradient"
-        " reductions that do not overlap, *step* the parameter all-gather or broadcast):",
+        " reductions that do not overlap, *step* the parameter all-gather or broadcast; zero1/zero2"
+        " overlap their gathers with the next *forward*, which waits for what it reads):",
         "",
         *phase_table(results),
         "",
@@ -712,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not partition_rule_matches(by_name["ddp+zero_redundancy"], settings.model):
             raise AssertionError("the computed ZeroRedundancyOptimizer partition differs from the measured one")
         results += world
-        checks += memory_checks(by_name) + speed_checks(by_name)
+        checks += memory_checks(by_name) + step_memory_checks(by_name) + speed_checks(by_name)
         infos.append(stage_comparison(by_name))
     loads.append(load_average())
     text = report(settings, results, checks, infos,
