@@ -15,6 +15,7 @@ and every option of every group is kept. :class:`ZeroOptimizer` shares ``param_g
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import GradBucket, ShardedParam
@@ -53,6 +55,7 @@ class ZeroOptimizer(Optimizer):
         # re-adds the very same group dicts (see [Note: wrapping the user's optimizer]).
         groups = list(inner.param_groups)
         super().__init__(groups, inner.defaults)
+        self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     # The inner optimizer is the one source of truth for groups, state and defaults.
     @property  # type: ignore[override]
@@ -90,9 +93,25 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for hook in list(self._pre_update_hooks.values()):
+            hook()
         self.inner.step()
         self.gather_params()
         return loss
+
+    def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` in :meth:`step` after the closure and right before the shards change.
+
+        [Note: pre-update hooks] In Lightning's automatic optimization ``training_step`` and
+        backward run *inside* ``step(closure)``, after ``register_step_pre_hook`` hooks, so a step
+        pre-hook that blocks (a checkpoint still staging the shards) would block before forward.
+        These hooks run after the closure, when forward and backward have already overlapped the
+        wait, and before the inner optimizer writes the master shards and their state. Hooks run in
+        registration order; the handle's ``remove()`` unregisters one.
+        """
+        handle = RemovableHandle(self._pre_update_hooks)
+        self._pre_update_hooks[handle.id] = hook
+        return handle
 
     def gather_params(self, all_buckets: bool = False) -> None:
         """All-gather updated shards into the model's parameters, bucket by bucket.
@@ -146,6 +165,13 @@ class ZeroOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer. Lightning's LearningRateMonitor (like other tools that know wrapped
+        optimizers, DeepSpeed's among them) reads ``.optimizer`` to name and group it, so learning
+        rates are logged once, under the user's optimizer's name."""
+        return self.inner
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.inner!r})"

@@ -182,6 +182,19 @@ class _AsyncSaver:
 
         self._removals.append((loc, self.executor().submit(job)))
 
+    def link_after_pending(self, target: Location, link: Location) -> None:
+        """Make ``link`` name the checkpoint ``target`` once the save in flight has committed."""
+        pending = self._pending
+        after = pending.future if pending is not None else None
+
+        def job() -> None:
+            if after is not None and after.exception() is not None:
+                log.warning("Not linking %s: %s failed to save.", link.url, target.url)
+                return
+            storage.link(target, link)
+
+        self._removals.append((link, self.executor().submit(job)))
+
     def _reap_removals(self, blocking: bool) -> None:
         still_running = []
         for loc, future in self._removals:
@@ -201,22 +214,26 @@ _SAVER = _AsyncSaver()
 
 
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-               storage_options: dict[str, Any] | None = None) -> None:
+               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
-    :func:`wait_for_staging` returns (the strategy calls it before each optimizer step)."""
+    :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
+
+    ``marker_fields`` (rank 0's are used): small plain values copied into the commit marker, where
+    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py)."""
     validate_mode(mode)
     group = coordination_group()
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
-    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged))
+    fields = dict(marker_fields or {})
+    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields))
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-         storage_options: dict[str, Any] | None = None) -> None:
+         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
-    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options)
+    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields)
     maybe_finalize_async_calls(blocking=True)
 
 
@@ -231,6 +248,12 @@ def wait_for_staging() -> None:
     _SAVER.wait_for_staging()
 
 
+def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | None = None) -> None:
+    """(one rank) Make ``link_id`` another name of checkpoint ``checkpoint_id``, after the save in
+    flight has committed (``ModelCheckpoint(save_last="link")``)."""
+    _SAVER.link_after_pending(storage.resolve(checkpoint_id, storage_options), storage.resolve(link_id, storage_options))
+
+
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
     """(one rank) Delete a checkpoint, after the save in flight has committed."""
     _SAVER.remove_after_pending(storage.resolve(checkpoint_id, storage_options))
@@ -239,7 +262,8 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 # ---- the background job -------------------------------------------------------------------
 
 
-def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event) -> None:
+def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
+              marker_fields: dict[str, Any]) -> None:
     """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
     read-only path, a write error), every rank makes the same collectives in the same order: a
     failure is recorded, not raised, until the next exchange, so the others never wait in a
@@ -283,8 +307,11 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     commit_error: str | None = None
     if rank == 0 and mode != "full":
         try:
-            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": version_dir.rsplit("/", 1)[-1],
-                                       "save_id": save_id})
+            # The data directory relative to the marker's folder: a copy of the marker beside it (a
+            # `save_last="link"` on S3) names the same data.
+            data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
+            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id},
+                                 marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
             _discard(loc, version_dir)
@@ -368,6 +395,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
     recognised) and the full shape of every tensor (flat shards hide it from DCP's metadata)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
@@ -376,7 +404,10 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
         writer = integrity.checksumming_writer(FsspecWriter)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))
     try:
-        dcp.save(tensors, storage_writer=writer, process_group=group)
+        # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
+        # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
     if _world()[0] == 0:
@@ -402,21 +433,6 @@ def _dcp_failure(exc: CheckpointException) -> Exception:
     return RuntimeError(f"torch.distributed.checkpoint failed on rank {rank}: {cause!r}")
 
 
-def _read_dcp_keys(loc: Location, reader: Any) -> set[str]:
-    """The tensor keys in a committed DCP directory; a clear error when its metadata is damaged."""
-    try:
-        return set(reader.read_metadata().state_dict_metadata)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
-    except OSError as exc:
-        raise storage.storage_error(loc, "read", exc) from exc
-    except Exception as exc:
-        raise CheckpointCorruptError(
-            f"Could not read the DCP metadata of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the"
-            " checkpoint is damaged. Resume from another checkpoint."
-        ) from exc
-
-
 def _fs_options(loc: Location) -> dict[str, Any]:
     return dict(getattr(loc.fs, "storage_options", {}) or {})
 
@@ -434,8 +450,16 @@ def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
                                               shape=torch.Size([leaf.numel]), stride=(1,))
         elif isinstance(leaf, Tensor):
             tensors[key] = leaf
-    objects = map_leaves(state, lambda leaf: None if is_tensor_leaf(leaf) else leaf)
+    objects = map_leaves(state, _object_leaf)
     return tensors, objects
+
+
+def _object_leaf(leaf: Any) -> Any:
+    """What ``objects.pt`` keeps of a leaf: the value, nothing for a tensor (DCP holds it), and the
+    full shape of a flat shard (DCP stores it flattened; readers of the whole checkpoint reshape it)."""
+    if isinstance(leaf, FlatShard):
+        return {"flat_shard_shape": list(leaf.shape)}
+    return None if is_tensor_leaf(leaf) else leaf
 
 
 _device_mesh: Any = None
@@ -588,7 +612,7 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     marker = storage.read_marker(loc)
     if marker is None:
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
-    if marker["mode"] == "sharded":
+    if marker.get("mode") == "sharded":
         return set(_read_dcp_metadata(loc, _dcp_reader(loc, _version_dir(loc, marker))).state_dict_metadata)
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
@@ -601,8 +625,18 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
 
 
 def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> Mode:
-    marker = storage.read_marker(storage.resolve(checkpoint_id, storage_options))
-    return "full" if marker is None else marker["mode"]
+    loc = storage.resolve(checkpoint_id, storage_options)
+    marker = storage.read_marker(loc)
+    if marker is None:
+        return "full"
+    return validate_marker_mode(loc, marker)
+
+
+def validate_marker_mode(loc: Location, marker: dict[str, Any]) -> Mode:
+    mode = marker.get("mode")
+    if mode not in MODES:
+        raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}; it is damaged.")
+    return mode  # type: ignore[return-value]
 
 
 _READ_AHEAD: dict[str, Any] = {}
@@ -646,20 +680,24 @@ def _check_version_dir(loc: Location, marker: dict[str, Any]) -> str:
 
 
 def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None) -> Any:
-    """This rank's file of a ``local`` checkpoint, checked to belong to it and to be intact."""
+    """This rank's file of a ``local`` checkpoint (refused at another world size), checked."""
     own_rank, world_size = _world()
-    rank = own_rank if rank is None else rank
-    if marker["world_size"] != world_size and rank == own_rank:
+    if marker["world_size"] != world_size and (rank is None or rank == own_rank):
         raise ValueError(
             f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
             f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
             " save with ZeroCheckpointIO(mode='sharded') to change the world size."
         )
+    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+
+
+def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
+    """Rank ``rank``'s file of a ``local`` checkpoint, checked to belong to this checkpoint and this
+    rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves."""
     path = _rank_file(_version_dir(loc, marker), rank, marker["world_size"])
     if path in _READ_AHEAD:
         return _READ_AHEAD.pop(path)
-    version_dir = _check_version_dir(loc, marker)
-    path = _rank_file(version_dir, rank, marker["world_size"])
+    _check_version_dir(loc, marker)
     content, found = integrity.split(_torch_load(loc, path), path, loc.url, required="save_id" in marker)
     if found is not None:
         integrity.check_identity(found, path, loc.url, marker.get("save_id"), rank, marker["world_size"])
@@ -732,7 +770,10 @@ def _walk_encoded(tree: Any) -> Any:
 
 
 def _version_dir(loc: Location, marker: dict[str, Any]) -> str:
-    return loc.join(loc.data_root(), marker["data"])
+    data = str(marker["data"])
+    if "/" in data:  # relative to the marker's folder
+        return loc.join(loc.parent, data)
+    return loc.join(loc.data_root(), data)  # markers of version 1
 
 
 def read_full(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -770,7 +811,9 @@ def _read_dcp_metadata(loc: Location, reader: Any) -> Any:
         ) from exc
 
 
-def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
+    """A ``sharded`` checkpoint's version directory, objects (checked), integrity header, a verifying
+    DCP reader and its metadata, refused when the metadata belongs to another save."""
     version_dir = _check_version_dir(loc, marker)
     objects_file = f"{version_dir}/objects.pt"
     objects, found = integrity.split(_torch_load(loc, objects_file), objects_file, loc.url,
@@ -778,7 +821,6 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
     if found is not None:
         integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
         integrity.verify(objects, found, objects_file, loc.url)
-    targets, _ = _split_for_dcp(state_dict)
     reader = _dcp_reader(loc, version_dir, require_checksums=found is not None)
     metadata = _read_dcp_metadata(loc, reader)
     if found is not None and getattr(metadata.storage_meta, "save_id", None) != found["dcp_save_id"]:
@@ -787,6 +829,12 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
             f" {metadata.storage_meta.save_id!r}, the objects file says {found['dcp_save_id']!r}): it was replaced."
             " Resume from another checkpoint."
         )
+    return version_dir, objects, found, reader, metadata
+
+
+def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    _, objects, found, reader, metadata = open_sharded(loc, marker)
+    targets, _ = _split_for_dcp(state_dict)
     check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
