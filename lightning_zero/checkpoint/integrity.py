@@ -8,7 +8,7 @@ error. ``zlib.crc32`` (no extra dependency, ~3 GB/s on one core here) is compute
 * ``local`` rank files and the ``full`` file: a header entry (:data:`HEADER_KEY`) inside the same
   ``torch.save``, holding the save id, the rank and world size (``local``) and, per tensor or bytes
   leaf, its CRC32, shape and dtype. The reader pops it before the state is used.
-* ``sharded``: DCP writes each item (one rank's shard of one tensor) as a byte range of a
+* ``sharded``: DCP's own save id in ``.metadata`` is set to ours. DCP writes each item (one rank's shard of one tensor) as a byte range of a
   ``.distcp`` file and records ``(file, offset, length)`` in ``.metadata``. A stream wrapper
   computes the CRC32 of each item's bytes while DCP writes them, and the CRC is stored as an extra
   attribute of that storage record, so ``.metadata`` stays readable by plain DCP tools. The reader
@@ -209,10 +209,19 @@ class _ChecksummingFileSystem:
         return getattr(self._inner, name)
 
 
-def checksumming_writer(base: type) -> type:
-    """A subclass of DCP writer class ``base`` that records each item's CRC32 in ``.metadata``."""
+def checksumming_writer(base: type, save_id: str) -> type:
+    """A subclass of DCP writer class ``base`` that records each item's CRC32 in ``.metadata``, and
+    our ``save_id`` as DCP's own (``.metadata`` then names the checkpoint it belongs to)."""
 
     class ChecksummingWriter(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.save_id = save_id
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            self.save_id = save_id
+
         def write_data(self, plan: Any, planner: Any) -> Any:
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)

@@ -330,7 +330,18 @@ def _preflight(loc: Location, mode: Mode, rank: int) -> str | None:
     """This rank's reason it cannot write ``loc`` (a read-only or refused path), found before any
     checkpoint data is written; None when it can. Object stores have no directories to probe: their
     refusals come from the first upload, which every rank then reports at exchange (3)."""
-    if not loc.is_local or (mode == "full" and rank != 0):
+    if mode == "full" and rank != 0:
+        return None
+    if not loc.is_local:
+        # DCP's fsspec writer makes its directory with makedirs, which on s3fs creates a missing bucket.
+        bucket = loc.path.split("/", 1)[0]
+        try:
+            loc.fs.info(bucket)
+        except FileNotFoundError:
+            return (f"rank {rank}: Could not write checkpoint at {loc.url!r}: the bucket or prefix does not exist:"
+                    f" create the bucket {bucket!r} or fix the path.")
+        except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
+            pass
         return None
     import os
 
@@ -391,17 +402,17 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
 
 def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> None:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
-    objects file, which records the save id, DCP's own save id (so a ``.metadata`` of another save is
-    recognised) and the full shape of every tensor (flat shards hide it from DCP's metadata)."""
+    objects file, which records the save id (``.metadata`` carries it too) and the full shape of
+    every tensor (flat shards hide it from DCP's metadata)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
-        writer = integrity.checksumming_writer(dcp.FileSystemWriter)(version_dir, sync_files=True)
+        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True)
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
-        writer = integrity.checksumming_writer(FsspecWriter)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
+        writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
@@ -412,8 +423,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
         raise _dcp_failure(exc) from exc
     if _world()[0] == 0:
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
-        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes,
-                                                         dcp_save_id=writer.save_id)
+        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes)
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
 
 
@@ -823,10 +833,11 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
         integrity.verify(objects, found, objects_file, loc.url)
     reader = _dcp_reader(loc, version_dir, require_checksums=found is not None)
     metadata = _read_dcp_metadata(loc, reader)
-    if found is not None and getattr(metadata.storage_meta, "save_id", None) != found["dcp_save_id"]:
+    save_id = marker.get("save_id")
+    if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:
         raise CheckpointCorruptError(
-            f"'{version_dir}/.metadata' belongs to another save than checkpoint {loc.url!r} (DCP save id"
-            f" {metadata.storage_meta.save_id!r}, the objects file says {found['dcp_save_id']!r}): it was replaced."
+            f"'{version_dir}/.metadata' belongs to another save than checkpoint {loc.url!r} (save id"
+            f" {metadata.storage_meta.save_id!r}, the commit marker says {save_id!r}): it was replaced."
             " Resume from another checkpoint."
         )
     return version_dir, objects, found, reader, metadata
