@@ -119,8 +119,9 @@ def verify(content: Any, found: dict[str, Any], file: str, url: str) -> None:
     present = dict(_checked_leaves(content))
     for key, (crc, shape, dtype) in expected.items():
         leaf = present.get(key)
+        name = key.removesuffix("/flat_shard")  # a shard is named like its tensor
         if leaf is None:
-            raise CheckpointCorruptError(f"Tensor {key!r} is missing from {file!r} of checkpoint {url!r}; the file is"
+            raise CheckpointCorruptError(f"Tensor {name!r} is missing from {file!r} of checkpoint {url!r}; the file is"
                                          " damaged. Resume from another checkpoint.")
         if isinstance(leaf, Tensor):
             actual_shape, actual_dtype = list(leaf.shape), str(leaf.dtype).removeprefix("torch.")
@@ -128,12 +129,12 @@ def verify(content: Any, found: dict[str, Any], file: str, url: str) -> None:
             actual_shape, actual_dtype = [len(leaf)], "bytes"
         if actual_shape != list(shape) or actual_dtype != dtype:
             raise CheckpointCorruptError(
-                f"Tensor {key!r} in {file!r} of checkpoint {url!r} is {actual_dtype}{actual_shape}, written as"
+                f"Tensor {name!r} in {file!r} of checkpoint {url!r} is {actual_dtype}{actual_shape}, written as"
                 f" {dtype}{list(shape)}; the file is damaged. Resume from another checkpoint."
             )
         if crc32_of(leaf) != crc:
             raise CheckpointCorruptError(
-                f"Checksum mismatch in tensor {key!r} of {file!r} (checkpoint {url!r}): its data changed after it"
+                f"Checksum mismatch in tensor {name!r} of {file!r} (checkpoint {url!r}): its data changed after it"
                 " was written (a damaged disk or transfer). Resume from another checkpoint."
             )
     unexpected = sorted(set(present) - set(expected))

@@ -845,11 +845,19 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
 
 def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
     _, objects, found, reader, metadata = open_sharded(loc, marker)
-    targets, _ = _split_for_dcp(state_dict)
+    # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
+    # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
+    targets, _ = _split_for_dcp(map_leaves(state_dict, _empty_like))
     check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
     return lambda: _load_sharded(state_dict, targets, reader, loc, objects)
+
+
+def _empty_like(leaf: Any) -> Any:
+    if isinstance(leaf, FlatShard):
+        return FlatShard(torch.empty_like(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
+    return torch.empty_like(leaf) if isinstance(leaf, Tensor) else leaf
 
 
 def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
@@ -873,6 +881,6 @@ def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: A
             key = "/".join(path)
             if isinstance(leaf, FlatShard):
                 leaf.local.copy_(targets[key].to_local())
-            elif isinstance(leaf, Tensor) and targets[key] is not leaf:
+            elif isinstance(leaf, Tensor):
                 leaf.copy_(targets[key])
     return objects
