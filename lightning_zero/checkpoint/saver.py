@@ -106,8 +106,20 @@ def _all_gather_objects(value: Any, group: Any) -> list[Any]:
     if _world()[1] == 1:
         return [value]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
+    try:
+        dist.all_gather_object(out, value, group=group)
+    except Exception as exc:  # gloo: "Connection closed by peer" (killed) or "Timed out" (frozen)
+        raise peer_lost(exc) from exc
     return out
+
+
+def peer_lost(exc: BaseException) -> RuntimeError:
+    """The error for a checkpoint collective that another rank never completed."""
+    return RuntimeError(
+        f"rank {_world()[0]}: lost contact with another rank in a checkpoint collective: a peer process died or"
+        f" stopped answering within the process group timeout ({training_timeout()}). Nothing of this checkpoint"
+        f" is committed unless rank 0 wrote its marker; check the other ranks' logs. ({type(exc).__name__}: {exc})"
+    )
 
 
 # ---- the async machinery ------------------------------------------------------------------
@@ -543,13 +555,16 @@ def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException])
         failure.append(RuntimeError(f"rank {rank}: gathering a tensor of shape {shard.shape} to rank 0 failed"
                                     f" ({type(exc).__name__}: {exc})"))
     ready = torch.tensor([0 if failure else 1], dtype=torch.int32)
-    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-    if not ready.item():
-        if not failure:
-            failure.append(RuntimeError(f"rank {rank}: stopped the gather to rank 0 because another rank failed"
-                                        " (its error names it)"))
-        return None
-    dist.gather(padded, gather_list, dst=0, group=group)
+    try:
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        if not ready.item():
+            if not failure:
+                failure.append(RuntimeError(f"rank {rank}: stopped the gather to rank 0 because another rank failed"
+                                            " (its error names it)"))
+            return None
+        dist.gather(padded, gather_list, dst=0, group=group)
+    except Exception as exc:
+        raise peer_lost(exc) from exc
     if rank != 0:
         return None
     assert gather_list is not None
@@ -578,7 +593,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
         finish = _prepare_load(state_dict, loc)
     except Exception as exc:
         error = exc
-    _agree(error, loc)
+    agree(error, loc)
     assert finish is not None
     return finish()
 
@@ -600,7 +615,7 @@ def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dic
     raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
 
 
-def _agree(error: BaseException | None, loc: Location) -> None:
+def agree(error: BaseException | None, loc: Location) -> None:
     """(collective over the coordination group when there is more than one rank) Raise on every rank
     if any rank failed: this rank's own error, or one that names the failing ranks."""
     rank, world_size = _world()
