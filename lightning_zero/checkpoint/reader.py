@@ -39,15 +39,14 @@ def read_zero_tree(checkpoint_id: str, storage_options: dict[str, Any] | None = 
     if marker is None:
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint file; read it with torch.load.")
     mode = saver.validate_marker_mode(loc, marker)
-    version_dir = saver._version_dir(loc, marker)
     if mode == "local":
-        return _read_local(loc, version_dir, int(marker["world_size"]), optimizer)
-    return _read_sharded(loc, version_dir, optimizer)
+        return _read_local(loc, marker, optimizer)
+    return _read_sharded(loc, marker, optimizer)
 
 
-def _read_local(loc: Location, version_dir: str, world_size: int, optimizer: bool) -> dict[str, Any]:
-    files = [saver._walk_encoded(saver._torch_load(loc, saver._rank_file(version_dir, rank, world_size)))
-             for rank in range(world_size)]
+def _read_local(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+    world_size = int(marker["world_size"])
+    files = [saver.read_rank_file(loc, marker, rank) for rank in range(world_size)]
     pieces: dict[str, list[FlatShard]] = {}
     for content in files:
         for path, leaf in walk(content):
@@ -68,15 +67,13 @@ def _read_local(loc: Location, version_dir: str, world_size: int, optimizer: boo
     return tree
 
 
-def _read_sharded(loc: Location, version_dir: str, optimizer: bool) -> dict[str, Any]:
+def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    objects = saver._torch_load(loc, f"{version_dir}/objects.pt")
-    reader = saver._dcp_reader(loc, version_dir)
-    saver._read_dcp_keys(loc, reader)  # a clear error for damaged metadata
-    metadata = reader.read_metadata().state_dict_metadata
+    version_dir, objects, found, reader, dcp_metadata = saver.open_sharded(loc, marker)
+    metadata = dcp_metadata.state_dict_metadata
     targets: dict[str, Tensor] = {}
     for key, md in metadata.items():
         if not isinstance(md, TensorStorageMetadata) or (not optimizer and key.startswith("optimizer/")):
@@ -84,9 +81,11 @@ def _read_sharded(loc: Location, version_dir: str, optimizer: bool) -> dict[str,
         targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
         # A fresh reader: DCP's load sets it up for this plan.
-        dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir), no_dist=True)
+        dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, found is not None), no_dist=True)
     except CheckpointException as exc:
         cause = saver._dcp_failure(exc)
+        if isinstance(cause, CheckpointCorruptError):
+            raise cause from exc
         raise CheckpointCorruptError(
             f"Could not read the data of checkpoint {loc.url!r} ({type(cause).__name__}: {cause}); its files are"
             " damaged or missing. Resume from another checkpoint."

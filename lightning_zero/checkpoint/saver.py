@@ -20,11 +20,13 @@ Call order (every rank makes each call unless marked):
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint import integrity, storage
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
 from lightning_zero.checkpoint.tree import FlatShard, check_same_keys, is_tensor_leaf, map_leaves, stage, walk
 
@@ -78,19 +80,46 @@ def prepare() -> None:
 
 
 def coordination_group() -> Any:
-    """(collective, training thread, first call) a gloo group for background coordination."""
+    """(collective, training thread, first call) a gloo group for background coordination.
+
+    Its timeout is the training group's (the strategy's ``timeout``): a peer that died or froze in a
+    save then fails the save within the time the user chose for training collectives, instead of
+    gloo's 30 minutes."""
     global _coordination_group
     if _coordination_group is None and _world()[1] > 1:
-        _coordination_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+        _coordination_group = dist.new_group(backend="gloo", timeout=training_timeout())
     return _coordination_group
+
+
+def training_timeout() -> timedelta:
+    """The default process group's timeout (what the strategy's ``timeout`` set), else 30 minutes."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except Exception:  # no backend for this device type (NCCL has no CPU one); try the next
+            continue
+    return timedelta(minutes=30)
 
 
 def _all_gather_objects(value: Any, group: Any) -> list[Any]:
     if _world()[1] == 1:
         return [value]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
+    try:
+        dist.all_gather_object(out, value, group=group)
+    except Exception as exc:  # gloo: "Connection closed by peer" (killed) or "Timed out" (frozen)
+        raise peer_lost(exc) from exc
     return out
+
+
+def peer_lost(exc: BaseException) -> RuntimeError:
+    """The error for a checkpoint collective that another rank never completed."""
+    return RuntimeError(
+        f"rank {_world()[0]}: lost contact with another rank in a checkpoint collective: a peer process died or"
+        f" stopped answering within the process group timeout ({training_timeout()}). Nothing of this checkpoint"
+        f" is committed unless rank 0 wrote its marker; check the other ranks' logs. ({type(exc).__name__}: {exc})"
+    )
 
 
 # ---- the async machinery ------------------------------------------------------------------
@@ -117,9 +146,17 @@ class _AsyncSaver:
         return self._executor
 
     def submit(self, url: str, job: Callable[[threading.Event], Any]) -> _PendingSave:
-        self.finalize(blocking=True)
+        """Queue ``job`` after the save in flight. A failure of that one is raised (once) only after
+        the new save is queued: one failed save must not cost the next checkpoint too."""
+        previous_error: CheckpointSaveError | None = None
+        try:
+            self.finalize(blocking=True)
+        except CheckpointSaveError as exc:
+            previous_error = exc
         staged = threading.Event()
         self._pending = _PendingSave(url, self.executor().submit(job, staged), staged)
+        if previous_error is not None:
+            raise previous_error
         return self._pending
 
     def wait_for_staging(self) -> None:
@@ -239,24 +276,40 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 
 def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
               marker_fields: dict[str, Any]) -> None:
+    """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
+    read-only path, a write error), every rank makes the same collectives in the same order: a
+    failure is recorded, not raised, until the next exchange, so the others never wait in a
+    collective the failing rank skipped. Exchanges: (1) before any data is written, (2) inside
+    DCP / the ``full`` gathers, which fail on every rank together, (3) after writing, (4) the commit.
+    """
     rank, world_size = _world()
-    try:
-        state = stage(state)
-    finally:
-        staged.set()
-    # Rank 0 names the fresh version directory; every rank writes into that one.
-    version_dir = _all_gather_objects(loc.new_version_dir(), group)[0] if mode != "full" else ""
     error: str | None = None
     try:
+        state = stage(state)
+    except Exception as exc:
+        error = f"rank {rank}: staging the state failed ({type(exc).__name__}: {exc})"
+    finally:
+        staged.set()
+    if error is None:
+        error = _preflight(loc, mode, rank)
+    # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go on.
+    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == 0 else None
+    gathered = _all_gather_objects((proposal, error), group)
+    version_dir, save_id = gathered[0][0]
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
+                                  " checkpoint is intact. " + "; ".join(errors))
+    try:
         if mode == "local":
-            _write_local(state, loc, version_dir, rank, world_size)
+            _write_local(state, loc, version_dir, rank, world_size, save_id)
         elif mode == "sharded":
-            _write_sharded(state, loc, version_dir, group)
+            _write_sharded(state, loc, version_dir, group, save_id)
         else:
-            _write_full(state, loc, rank, group)
+            _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
         error = f"rank {rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
-    errors = [e for e in _all_gather_objects(error, group) if e]
+    errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
         if rank == 0 and version_dir:
             _discard(loc, version_dir)
@@ -269,7 +322,8 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             # The data directory relative to the marker's folder: a copy of the marker beside it (a
             # `save_last="link"` on S3) names the same data.
             data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
-            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data}, marker_fields)
+            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id},
+                                 marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
             _discard(loc, version_dir)
@@ -278,10 +332,41 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
                 storage.remove_stale_versions(loc, keep=version_dir)
             except Exception as exc:  # committed already; leftovers only cost space
                 log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
-    # Every rank learns whether the commit happened, so every rank raises if it did not.
+    # (4) Every rank learns whether the commit happened, so every rank raises if it did not.
     commit_error = _all_gather_objects(commit_error, group)[0] if mode != "full" else commit_error
     if commit_error:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
+
+
+def _preflight(loc: Location, mode: Mode, rank: int) -> str | None:
+    """This rank's reason it cannot write ``loc`` (a read-only or refused path), found before any
+    checkpoint data is written; None when it can. Object stores have no directories to probe: their
+    refusals come from the first upload, which every rank then reports at exchange (3)."""
+    if mode == "full" and rank != 0:
+        return None
+    if not loc.is_local:
+        # DCP's fsspec writer makes its directory with makedirs, which on s3fs creates a missing bucket.
+        bucket = loc.path.split("/", 1)[0]
+        try:
+            loc.fs.info(bucket)
+        except FileNotFoundError:
+            return (f"rank {rank}: Could not write checkpoint at {loc.url!r}: the bucket or prefix does not exist:"
+                    f" create the bucket {bucket!r} or fix the path.")
+        except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
+            pass
+        return None
+    import os
+
+    directory = loc.data_root() if mode != "full" else (loc.parent or ".")
+    probe = f"{directory}/.lightning_zero-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        return f"rank {rank}: cannot write {directory!r}: {storage.storage_error(loc, 'write', exc)}"
+    return None
 
 
 def _discard(loc: Location, version_dir: str) -> None:
@@ -321,21 +406,26 @@ def _rank_file(version_dir: str, rank: int, world_size: int) -> str:
     return f"{version_dir}/rank{rank:05d}-of-{world_size:05d}.pt"
 
 
-def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int) -> None:
-    _torch_save_to(loc, _rank_file(version_dir, rank, world_size), _encode_shards(state))
+def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str) -> None:
+    encoded = _encode_shards(state)
+    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
+    _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> None:
+def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> None:
+    """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
+    objects file, which records the save id (``.metadata`` carries it too) and the full shape of
+    every tensor (flat shards hide it from DCP's metadata)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors, objects = _split_for_dcp(state)
-    if _world()[0] == 0:
-        _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
-    writer = dcp.FileSystemWriter(version_dir, sync_files=True) if loc.is_local else FsspecWriter(
-        loc.fs.unstrip_protocol(version_dir), sync_files=False, **_fs_options(loc)
-    )  # fsync fails on s3fs streams: durability there comes from the completed upload
+    if loc.is_local:
+        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True)
+    else:  # fsync fails on s3fs streams: durability there comes from the completed upload
+        writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
+                                                            **_fs_options(loc))
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
@@ -343,6 +433,16 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> N
         dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
+    if _world()[0] == 0:
+        shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
+        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes)
+        _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
+
+
+def _tensor_leaves(tree: Any) -> Iterator[tuple[str, Tensor | FlatShard]]:
+    for path, leaf in walk(tree):
+        if is_tensor_leaf(leaf):
+            yield "/".join(path), leaf
 
 
 def _dcp_failure(exc: CheckpointException) -> Exception:
@@ -353,21 +453,6 @@ def _dcp_failure(exc: CheckpointException) -> Exception:
     if isinstance(cause, Exception):
         return cause
     return RuntimeError(f"torch.distributed.checkpoint failed on rank {rank}: {cause!r}")
-
-
-def _read_dcp_keys(loc: Location, reader: Any) -> set[str]:
-    """The tensor keys in a committed DCP directory; a clear error when its metadata is damaged."""
-    try:
-        return set(reader.read_metadata().state_dict_metadata)
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
-    except OSError as exc:
-        raise storage.storage_error(loc, "read", exc) from exc
-    except Exception as exc:
-        raise CheckpointCorruptError(
-            f"Could not read the DCP metadata of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the"
-            " checkpoint is damaged. Resume from another checkpoint."
-        ) from exc
 
 
 def _fs_options(loc: Location) -> dict[str, Any]:
@@ -410,40 +495,75 @@ def _mesh() -> Any:
     return _device_mesh
 
 
-def _write_full(state: Any, loc: Location, rank: int, group: Any) -> None:
+def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) -> None:
     full = gather_tree_to_rank0(state, group)
-    if rank == 0:
-        if loc.is_local:
-            import os
-            import uuid
+    if rank != 0:
+        return
+    full[integrity.HEADER_KEY] = integrity.header(full, save_id)
+    if not loc.is_local:
+        _torch_save_to(loc, loc.path, full)
+        return
+    import glob
+    import os
 
-            tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                _torch_save_to(loc, tmp, full)
-                os.replace(tmp, loc.path)  # the file appears whole or not at all
-            except BaseException:
-                # A partial file must not stay behind, least of all on a full disk.
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
-        else:
-            _torch_save_to(loc, loc.path, full)
+    tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        _torch_save_to(loc, tmp, full)
+        os.replace(tmp, loc.path)  # the file appears whole or not at all
+    except BaseException:
+        # A partial file must not stay behind, least of all on a full disk.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    # Temporary files of saves of this name that died (SIGKILL) before their rename: one worker
+    # writes a name at a time, so none of them is in progress.
+    for leftover in glob.glob(f"{glob.escape(loc.path)}.tmp-*"):
+        with contextlib.suppress(OSError):
+            os.remove(leftover)
 
 
 def gather_tree_to_rank0(tree: Any, group: Any) -> Any:
-    """(collective, every rank) Every FlatShard of ``tree`` as a whole tensor on rank 0 (None elsewhere)."""
-    return map_leaves(tree, lambda leaf: _gather_to_rank0(leaf, group) if isinstance(leaf, FlatShard) else leaf)
+    """(collective, every rank) Every FlatShard of ``tree`` as a whole tensor on rank 0 (None elsewhere).
+
+    Before each gather every rank says whether it could prepare its buffers (one tiny all-reduce),
+    so a rank that runs out of memory half-way makes all of them stop at the same tensor and raise,
+    instead of leaving the others in a gather it never joins (see [Note: same collectives on every rank]).
+    """
+    failure: list[BaseException] = []
+    gathered = map_leaves(tree, lambda leaf: _gather_to_rank0(leaf, group, failure)
+                          if isinstance(leaf, FlatShard) else leaf)
+    if failure:
+        raise failure[0]
+    return gathered
 
 
-def _gather_to_rank0(shard: FlatShard, group: Any) -> Tensor | None:
+def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException]) -> Tensor | None:
+    if failure:
+        return None  # every rank stopped at the same tensor
     layout = shard.layout
     if shard.world_size == 1:
         return shard.local.reshape(shard.shape).clone()
-    padded = torch.zeros(layout.chunk, dtype=shard.local.dtype)
-    padded[: shard.local.numel()] = shard.local
     rank = dist.get_rank()
-    gather_list = [torch.empty_like(padded) for _ in range(shard.world_size)] if rank == 0 else None
-    dist.gather(padded, gather_list, dst=0, group=group)
+    padded = gather_list = None
+    try:
+        padded = torch.zeros(layout.chunk, dtype=shard.local.dtype)
+        padded[: shard.local.numel()] = shard.local
+        gather_list = [torch.empty_like(padded) for _ in range(shard.world_size)] if rank == 0 else None
+    except Exception as exc:
+        padded = gather_list = None
+        failure.append(RuntimeError(f"rank {rank}: gathering a tensor of shape {shard.shape} to rank 0 failed"
+                                    f" ({type(exc).__name__}: {exc})"))
+    ready = torch.tensor([0 if failure else 1], dtype=torch.int32)
+    try:
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        if not ready.item():
+            if not failure:
+                failure.append(RuntimeError(f"rank {rank}: stopped the gather to rank 0 because another rank failed"
+                                            " (its error names it)"))
+            return None
+        dist.gather(padded, gather_list, dst=0, group=group)
+    except Exception as exc:
+        raise peer_lost(exc) from exc
     if rank != 0:
         return None
     assert gather_list is not None
@@ -457,18 +577,57 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill the tensors and :class:`FlatShard` leaves of ``state_dict`` in place from a checkpoint
     of any mode (``sharded`` and ``full`` at any world size, ``local`` at the one it was saved
-    with). Returns the checkpoint's non-tensor content (and, for ``full``, everything)."""
+    with). Returns the checkpoint's non-tensor content (and, for ``full``, everything).
+
+    (every rank) Everything that can fail on one rank only (a missing or damaged file, a transient
+    read error, another model) is read and checked first, then the ranks agree (one exchange over the
+    coordination group) before any of them copies a tensor or enters DCP's collectives: all fail
+    together, each naming the failing rank, instead of the others waiting in DCP.
+    """
     maybe_finalize_async_calls(blocking=True)
     loc = storage.resolve(checkpoint_id, storage_options)
+    error: BaseException | None = None
+    finish: Callable[[], dict[str, Any]] | None = None
+    try:
+        finish = _prepare_load(state_dict, loc)
+    except Exception as exc:
+        error = exc
+    agree(error, loc)
+    assert finish is not None
+    return finish()
+
+
+def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dict[str, Any]]:
+    """Read and check without touching ``state_dict``; returns what completes the load."""
     marker = storage.read_marker(loc)
     if marker is None:
-        return _load_full(state_dict, loc)
+        content = _read_full_checked(loc)
+        _check_into(state_dict, content, loc.url, loc.path)
+        return lambda: _copy_into(state_dict, content, loc.url)
     mode = marker.get("mode")
     if mode == "local":
-        return _load_local(state_dict, loc, marker)
+        content = _read_local(loc, marker)
+        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), *_world()))
+        return lambda: _copy_into(state_dict, content, loc.url)
     if mode == "sharded":
-        return _load_sharded(state_dict, loc, marker)
+        return _prepare_sharded(state_dict, loc, marker)
     raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
+
+
+def agree(error: BaseException | None, loc: Location) -> None:
+    """(collective over the coordination group when there is more than one rank) Raise on every rank
+    if any rank failed: this rank's own error, or one that names the failing ranks."""
+    rank, world_size = _world()
+    reports: list[str | None] = [None]
+    if world_size > 1:
+        report = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+        reports = _all_gather_objects(report, coordination_group())
+    if error is not None:
+        raise error
+    failed = [r for r in reports if r]
+    if failed:
+        raise CheckpointCorruptError(f"Loading checkpoint {loc.url!r} failed on another rank, so no rank loads it: "
+                                     + "; ".join(failed))
 
 
 def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> set[str]:
@@ -478,16 +637,14 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     if marker is None:
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
     if marker.get("mode") == "sharded":
-        return _read_dcp_keys(loc, _dcp_reader(loc, _version_dir(loc, marker)))
+        return set(_read_dcp_metadata(loc, _dcp_reader(loc, _version_dir(loc, marker))).state_dict_metadata)
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
     # rank 0's otherwise (the load will refuse the world size with a clear message).
     reader_rank = rank if world_size == marker["world_size"] else 0
-    path = _rank_file(_version_dir(loc, marker), reader_rank, marker["world_size"])
-    raw = _torch_load(loc, path)
+    content = _read_local(loc, marker, reader_rank)
     _READ_AHEAD.clear()  # at most one file held
-    _READ_AHEAD[path] = raw
-    content = _walk_encoded(raw)
+    _READ_AHEAD[_rank_file(_version_dir(loc, marker), reader_rank, marker["world_size"])] = content
     return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
 
 
@@ -507,12 +664,10 @@ def validate_marker_mode(loc: Location, marker: dict[str, Any]) -> Mode:
 
 
 _READ_AHEAD: dict[str, Any] = {}
-"""A rank file read by :func:`saved_tensor_keys`, handed to the load that follows (read once)."""
+"""A rank file read (and verified) by :func:`saved_tensor_keys`, handed to the load that follows (read once)."""
 
 
 def _torch_load(loc: Location, path: str) -> Any:
-    if path in _READ_AHEAD:
-        return _READ_AHEAD.pop(path)
     try:
         with loc.fs.open(path, "rb") as f:
             data = f.read()
@@ -532,12 +687,81 @@ def _torch_load(loc: Location, path: str) -> Any:
         ) from exc
 
 
-def _copy_into(target: Any, source: Any, url: str) -> None:
+def _check_version_dir(loc: Location, marker: dict[str, Any]) -> str:
+    version_dir = _version_dir(loc, marker)
+    try:
+        exists = loc.fs.exists(version_dir) or bool(loc.fs.ls(version_dir, detail=False))
+    except FileNotFoundError:
+        exists = False
+    except Exception as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    if not exists:
+        raise CheckpointCorruptError(
+            f"Checkpoint {loc.url!r} is committed but the data version it points at, {version_dir!r}, is missing;"
+            " the checkpoint is damaged. Resume from another checkpoint."
+        )
+    return version_dir
+
+
+def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None) -> Any:
+    """This rank's file of a ``local`` checkpoint (refused at another world size), checked."""
+    own_rank, world_size = _world()
+    if marker["world_size"] != world_size and (rank is None or rank == own_rank):
+        raise ValueError(
+            f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
+            f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
+            " save with ZeroCheckpointIO(mode='sharded') to change the world size."
+        )
+    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+
+
+def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
+    """Rank ``rank``'s file of a ``local`` checkpoint, checked to belong to this checkpoint and this
+    rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves."""
+    path = _rank_file(_version_dir(loc, marker), rank, marker["world_size"])
+    if path in _READ_AHEAD:
+        return _READ_AHEAD.pop(path)
+    _check_version_dir(loc, marker)
+    content, found = integrity.split(_torch_load(loc, path), path, loc.url, required="save_id" in marker)
+    if found is not None:
+        integrity.check_identity(found, path, loc.url, marker.get("save_id"), rank, marker["world_size"])
+        integrity.verify(content, found, path, loc.url)
+    return _walk_encoded(content)
+
+
+def _read_full_checked(loc: Location) -> Any:
+    content, found = integrity.split(_torch_load(loc, loc.path), loc.path, loc.url, required=False)
+    if found is not None:  # files written by other tools (plain Lightning, convert) carry no header
+        integrity.verify(content, found, loc.path, loc.url)
+    return content
+
+
+def _check_into(target: Any, source: Any, url: str, file: str) -> None:
+    """Same tensor keys and the same shapes (a flat shard of another shape has the same element count)."""
     check_same_keys(
         {"/".join(p) for p, leaf in walk(target) if is_tensor_leaf(leaf)},
-        {"/".join(p) for p, leaf in walk(source) if is_tensor_leaf(leaf) or _is_encoded_shard(leaf)},
+        {"/".join(p) for p, leaf in walk(source) if is_tensor_leaf(leaf)},
         url,
     )
+    found = {"/".join(p): leaf for p, leaf in walk(source)}
+    for path, leaf in walk(target):
+        if not is_tensor_leaf(leaf):
+            continue
+        key = "/".join(path)
+        value = found[key]
+        saved_shape = tuple(value.shape)
+        if isinstance(leaf, FlatShard) and isinstance(value, FlatShard):
+            ok = value.shape == leaf.shape and value.local.numel() == leaf.local.numel()
+        else:
+            ok = saved_shape == tuple(leaf.shape)
+        if not ok:
+            raise ValueError(
+                f"Checkpoint {url!r} ({file!r}) holds {key!r} with shape {saved_shape}, this model has"
+                f" {tuple(leaf.shape)}: it was saved from another model. Load it into the model it was saved from."
+            )
+
+
+def _copy_into(target: Any, source: Any, url: str) -> dict[str, Any]:
     found = {"/".join(p): leaf for p, leaf in walk(source)}
     with torch.no_grad():
         for path, leaf in walk(target):
@@ -546,15 +770,12 @@ def _copy_into(target: Any, source: Any, url: str) -> None:
             value = found["/".join(path)]
             if isinstance(leaf, FlatShard):
                 if isinstance(value, FlatShard):
-                    value = value.local
-                elif _is_encoded_shard(value):
-                    value = value["flat_shard"]
+                    leaf.local.copy_(value.local)
                 else:
                     leaf.load_from_full(value)
-                    continue
-                leaf.local.copy_(value)
             else:
                 leaf.copy_(value)
+    return source
 
 
 def _is_encoded_shard(leaf: Any) -> bool:
@@ -579,52 +800,90 @@ def _version_dir(loc: Location, marker: dict[str, Any]) -> str:
     return loc.join(loc.data_root(), data)  # markers of version 1
 
 
-def _load_full(state_dict: dict[str, Any], loc: Location) -> dict[str, Any]:
-    content = _torch_load(loc, loc.path)
-    _copy_into(state_dict, content, loc.url)
-    return content
-
-
 def read_full(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole content of a ``full`` checkpoint file (``weights_only=True``)."""
-    loc = storage.resolve(checkpoint_id, storage_options)
-    return _torch_load(loc, loc.path)
+    """The whole content of a ``full`` checkpoint file (``weights_only=True``, checksums verified)."""
+    return _read_full_checked(storage.resolve(checkpoint_id, storage_options))
 
 
-def _load_local(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> dict[str, Any]:
-    rank, world_size = _world()
-    if marker["world_size"] != world_size:
-        raise ValueError(
-            f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
-            f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
-            " save with ZeroCheckpointIO(mode='sharded') to change the world size."
-        )
-    content = _walk_encoded(_torch_load(loc, _rank_file(_version_dir(loc, marker), rank, world_size)))
-    _copy_into(state_dict, content, loc.url)
-    return content
-
-
-def _dcp_reader(loc: Location, version_dir: str) -> Any:
+def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+    def require() -> bool:
+        return require_checksums
+
     if loc.is_local:
-        return dcp.FileSystemReader(version_dir)
-    return FsspecReader(loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+        return integrity.verifying_reader(dcp.FileSystemReader, loc.url, require)(version_dir)
+    return integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
+                                                                      **_fs_options(loc))
 
 
-def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> dict[str, Any]:
+def _read_dcp_metadata(loc: Location, reader: Any) -> Any:
+    """A committed DCP directory's metadata; a clear error when it is missing or damaged."""
+    try:
+        return reader.read_metadata()
+    except CheckpointCorruptError:
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
+    except OSError as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"Could not read the DCP metadata of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the"
+            " checkpoint is damaged. Resume from another checkpoint."
+        ) from exc
+
+
+def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
+    """A ``sharded`` checkpoint's version directory, objects (checked), integrity header, a verifying
+    DCP reader and its metadata, refused when the metadata belongs to another save."""
+    version_dir = _check_version_dir(loc, marker)
+    objects_file = f"{version_dir}/objects.pt"
+    objects, found = integrity.split(_torch_load(loc, objects_file), objects_file, loc.url,
+                                     required="save_id" in marker)
+    if found is not None:
+        integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
+        integrity.verify(objects, found, objects_file, loc.url)
+    reader = _dcp_reader(loc, version_dir, require_checksums=found is not None)
+    metadata = _read_dcp_metadata(loc, reader)
+    save_id = marker.get("save_id")
+    if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:
+        raise CheckpointCorruptError(
+            f"'{version_dir}/.metadata' belongs to another save than checkpoint {loc.url!r} (save id"
+            f" {metadata.storage_meta.save_id!r}, the commit marker says {save_id!r}): it was replaced."
+            " Resume from another checkpoint."
+        )
+    return version_dir, objects, found, reader, metadata
+
+
+def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    _, objects, found, reader, metadata = open_sharded(loc, marker)
+    # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
+    # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
+    targets, _ = _split_for_dcp(map_leaves(state_dict, _empty_like))
+    check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
+    if found is not None:
+        integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
+    return lambda: _load_sharded(state_dict, targets, reader, loc, objects)
+
+
+def _empty_like(leaf: Any) -> Any:
+    if isinstance(leaf, FlatShard):
+        return FlatShard(torch.empty_like(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
+    return torch.empty_like(leaf) if isinstance(leaf, Tensor) else leaf
+
+
+def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
+                  objects: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    version_dir = _version_dir(loc, marker)
-    objects = _torch_load(loc, f"{version_dir}/objects.pt")
-    targets, _ = _split_for_dcp(state_dict)
-    reader = _dcp_reader(loc, version_dir)
-    check_same_keys(set(targets), _read_dcp_keys(loc, reader), loc.url)
     try:
         dcp.load(targets, storage_reader=reader, process_group=coordination_group())
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         cause = _dcp_failure(exc)
+        if isinstance(cause, CheckpointCorruptError):
+            raise cause from exc
         if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
             raise storage.storage_error(loc, "read", cause) from exc
         raise CheckpointCorruptError(
@@ -636,6 +895,6 @@ def _load_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, A
             key = "/".join(path)
             if isinstance(leaf, FlatShard):
                 leaf.local.copy_(targets[key].to_local())
-            elif isinstance(leaf, Tensor) and targets[key] is not leaf:
+            elif isinstance(leaf, Tensor):
                 leaf.copy_(targets[key])
     return objects

@@ -143,15 +143,27 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
     checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
     call :func:`publish` on every rank once every rank has loaded."""
     options = storage_options or {}
-    mode = saver.read_mode(checkpoint_id, options)
+    loc = storage.resolve(checkpoint_id, options)
+    # Everything that can fail on one rank only (a file it cannot read, another model) fails before
+    # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
+    # coordination group) while another has already left for the caller's agreement.
+    error: BaseException | None = None
+    mode: str = "full"
+    keys: set[str] = set()
+    try:
+        mode = saver.read_mode(checkpoint_id, options)
+        if mode == "full":
+            content = saver.read_full(checkpoint_id, options)
+        else:
+            keys = saver.saved_tensor_keys(checkpoint_id, options)
+    except Exception as exc:
+        error = exc
+    saver.agree(error, loc)
     if mode == "full":
-        content = saver.read_full(checkpoint_id, options)
         if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
             ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
             return content
         keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
-    else:
-        keys = saver.saved_tensor_keys(checkpoint_id, options)
     for index, optimizer in enumerate(engine.optimizers):
         ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
     tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
@@ -227,13 +239,14 @@ def load_with_fallback(path: str, storage_options: dict[str, Any], load_one: Cal
     candidates = [path]
     if path.rstrip("/").rsplit("/", 1)[-1].startswith("last"):
         candidates += storage.newest_siblings(storage.resolve(path, storage_options))
+    fallback_errors = (CheckpointCorruptError, storage.CheckpointNotFoundError, CheckpointException)
     first_error: BaseException | None = None
     for candidate in candidates:
         error: BaseException | None = None
         result: dict[str, Any] = {}
         try:
             result = load_one(candidate)
-        except (CheckpointCorruptError, storage.CheckpointNotFoundError, CheckpointException) as exc:
+        except Exception as exc:  # every rank reaches the agreements below, whatever it raised
             error = exc
         if agree(error is None):
             if candidate != path:
@@ -241,6 +254,12 @@ def load_with_fallback(path: str, storage_options: dict[str, Any], load_one: Cal
                 warn(f"Checkpoint {path!r} could not be loaded ({reason}); resumed from {candidate!r}, the newest"
                      " complete checkpoint beside it.")
             return candidate, result
+        # A damaged or missing checkpoint is worth a fallback; another model, another world size or
+        # an unreachable store is not: every rank must decide the same, so they agree on that too.
+        if not agree(error is None or isinstance(error, fallback_errors)):
+            if error is not None:
+                raise error
+            raise CheckpointCorruptError(f"Checkpoint {path!r} failed to load on another rank; see its error.")
         first_error = first_error or error
     if first_error is None:  # another rank failed; this one has nothing to report
         raise CheckpointCorruptError(f"Checkpoint {path!r} failed to load on another rank; see its error.")
