@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+import jsonargparse
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero  # noqa: F401  (registers the "zero1"/"zero2" strategy names)
@@ -25,10 +26,15 @@ def run_cli(args: list[str] | None = None) -> LightningCLI:
     # script, unlike `python -m`, does not put the working directory on the import path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # "omegaconf+" resolves `${...}` once the command line is applied, so that
+    # `--trainer.default_root_dir runs/b` also moves `${trainer.default_root_dir}/checkpoints` ("omegaconf"
+    # resolves each YAML file alone, before the overrides). Its paths start at the subcommand's root
+    # (`fit.trainer...`); the setting reads the configs' `${trainer...}` relative to it.
+    jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf+"},
         save_config_kwargs={"overwrite": True},
         args=args,
     )
