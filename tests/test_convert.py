@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_cases import assert_same_weights, fit, make_trainer
+from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupted_weights
 from hf_cases import GPT2Module, fixed_input, token_loader
-from lightning_cases import NetModule
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_cases import NetModule, loader
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -163,6 +165,24 @@ def test_convert_to_lightning_gives_a_plain_file_with_the_trained_state(net_run:
     for key in ("lr_schedulers", "epoch", "global_step", "loops"):
         assert_same_tree(content[key], reference[key], f"{mode}: {key}")
     assert content["global_step"] == 2
+
+
+def test_plain_ddp_resumes_from_a_converted_file_like_the_uninterrupted_run(net_run: Any, tmp_path: Path) -> None:
+    ckpts, _ = net_run("sharded")
+    converted = tmp_path / "model.ckpt"
+    convert(str(ckpts / "last.ckpt"), str(converted))
+    # As tests/test_checkpoint_resume.py resumes plain DDP from a `full` file (fork: see there).
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(find_unused_parameters=True, start_method="fork"),
+                      max_epochs=2, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    module = NetModule(scheduler=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    trainer.fit(module, loader(2, 1, 2), ckpt_path=str(converted))
+    # DDP all-reduces where ZeRO reduce-scatters: equal up to float rounding.
+    for name, value in uninterrupted_weights().items():
+        torch.testing.assert_close(module.state_dict()[name], value, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["local", "sharded"])
