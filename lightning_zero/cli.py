@@ -41,7 +41,7 @@ def run_cli(args: list[str] | None = None) -> LightningCLI:
 
 
 def convert_main(args: list[str]) -> int:
-    from lightning_zero.checkpoint import convert
+    from lightning_zero.checkpoint import CheckpointCorruptError, CheckpointNotFoundError, convert
 
     parser = argparse.ArgumentParser(
         prog="lightning-zero convert",
@@ -54,7 +54,13 @@ def convert_main(args: list[str]) -> int:
     parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
     options = parser.parse_args(args)
-    written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+    try:
+        written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+    except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError) as exc:
+        # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
+        # message names the fix, a traceback would bury it.
+        print(f"lightning-zero convert: error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {written}")
     return 0
 

@@ -65,6 +65,16 @@ def test_interpolation_follows_command_line_overrides(tmp_path: Path, monkeypatc
     assert config["model"]["init_args"]["context"] == 8
 
 
+def test_convert_of_a_path_without_checkpoint_exits_1_with_the_message_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    assert main(["convert", str(tmp_path / "missing.ckpt"), str(tmp_path / "out.ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-zero convert: error: No checkpoint at") and "Traceback" not in err
+    assert not (tmp_path / "out.ckpt").exists()
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, str]]:
     """``(run root, fit's output)`` of the README's fit in ``mode``, 20 steps (run once per mode)."""

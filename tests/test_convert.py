@@ -2,7 +2,7 @@
 
 Each run is one epoch (2 steps) of 2 ZeRO-2 ranks saving ``last.ckpt`` through
 ``ZeroCheckpointIO(mode)``. A tiny random GPT-2 (tests/hf_cases.py) is exported as a Hugging Face
-folder from ``sharded`` and ``local`` checkpoints and from the live module: ``from_pretrained`` must
+folder from checkpoints of every mode and from the live module: ``from_pretrained`` must
 give the trained module's logits exactly. The engine cases' NetModule is converted to one Lightning
 file: its weights and optimizer state must equal what the run saved (a ``full`` checkpoint of the
 same deterministic run is the reference for the optimizer's per-parameter form).
@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupted_weights
+from conftest_s3 import s3  # noqa: F401
 from hf_cases import GPT2Module, fixed_input, token_loader
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_cases import NetModule, loader
+from s3_server import S3
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -82,7 +84,7 @@ def net_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[P
 # ---- to a Hugging Face folder -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["sharded", "local"])
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
 def test_hf_folder_from_checkpoint_gives_the_trained_logits(gpt2_run: Any, tmp_path: Path, mode: str) -> None:
     ckpts, module = gpt2_run(mode)
     folder = tmp_path / "hf"
@@ -203,3 +205,37 @@ def test_console_convert_as_a_user_types_it(net_run: Any, tmp_path: Path) -> Non
     assert str(out) in done.stdout
     content = torch.load(out, weights_only=True)
     assert_same_weights(content["state_dict"], trained, "lightning-zero convert")
+
+
+# ---- S3 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_console_convert_reads_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:  # noqa: F811
+    prefix = s3.fresh_prefix("convert-src")
+    trained = fit(make_trainer("sharded", prefix, 1, storage_options=s3.storage_options))
+    out = tmp_path / "model.ckpt"
+    # Credentials and endpoint from the environment (AWS_*, as conftest.py exports them), as a user has them.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), "convert", f"{prefix}/last.ckpt", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert_same_weights(torch.load(out, weights_only=True)["state_dict"], trained, "convert from s3://")
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("to", ["lightning", "hf"])
+def test_convert_writes_to_s3(gpt2_run: Any, s3: S3, tmp_path: Path, to: str) -> None:  # noqa: F811
+    ckpts, module = gpt2_run("sharded")
+    dst = s3.fresh_prefix(f"convert-{to}") + ("/model.ckpt" if to == "lightning" else "/hf")
+    assert convert(str(ckpts / "last.ckpt"), dst, to=to, dst_storage_options=s3.storage_options) == dst
+    if to == "lightning":
+        (tmp_path / "model.ckpt").write_bytes(s3.read(dst))
+        content = torch.load(tmp_path / "model.ckpt", weights_only=True)
+        assert_same_weights(content["state_dict"], module.state_dict(), "to s3://")
+        return
+    keys = s3.keys(dst)
+    assert {k.rsplit("/", 1)[-1] for k in keys} >= {"config.json", "model.safetensors"}
+    for key in keys:
+        (tmp_path / key.rsplit("/", 1)[-1]).write_bytes(s3.read(f"s3://{s3.bucket}/{key}"))
+    assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(str(tmp_path))), logits_of(module))
