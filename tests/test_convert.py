@@ -211,7 +211,7 @@ def test_console_convert_as_a_user_types_it(net_run: Any, tmp_path: Path) -> Non
 
 
 @pytest.mark.s3
-def test_console_convert_reads_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:  # noqa: F811
+def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:  # noqa: F811
     prefix = s3.fresh_prefix("convert-src")
     trained = fit(make_trainer("sharded", prefix, 1, storage_options=s3.storage_options))
     out = tmp_path / "model.ckpt"
@@ -221,6 +221,9 @@ def test_console_convert_reads_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_same_weights(torch.load(out, weights_only=True)["state_dict"], trained, "convert from s3://")
+    # And without converting, straight from the marker on S3 (credentials from the environment).
+    assert_same_weights(NetModule.load_from_checkpoint(f"{prefix}/last.ckpt").state_dict(), trained,
+                        "load_from_checkpoint(s3://...)")
 
 
 @pytest.mark.s3
