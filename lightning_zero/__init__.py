@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero._lightning_fixes import install_checkpoint_reader
 from lightning_zero.checkpoint import ZeroCheckpointIO
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
@@ -9,6 +10,7 @@ from lightning_zero.sharding import EvenShard
 from lightning_zero.strategy import ZeroLowLevelStrategy
 
 ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
+install_checkpoint_reader()  # LightningModule.load_from_checkpoint reads local/sharded checkpoints
 
 __all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer"]
 __version__ = "0.1.0"

@@ -1,3 +1,5 @@
+import sys
+
 from lightning_zero.cli import main
 
-main()
+sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -48,4 +49,90 @@ class LaunchWithFixes:
     def __call__(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:
             fix_remote_last_lookup(trainer)
+            fix_link_last(trainer)
         return type(self.launcher).launch(self.launcher, function, *args, trainer=trainer, **kwargs)
+
+
+class _LinkAfterCommit:
+    """``ModelCheckpoint._link_checkpoint`` for ``save_last="link"`` with :class:`ZeroCheckpointIO`.
+
+    Lightning links ``last.ckpt`` to the checkpoint it has just *started* to save and, with an async
+    save, would point it at a file that does not exist yet (and that may never commit); on object
+    stores it refuses ``"link"`` altogether. Here rank 0 queues the link behind the save in flight:
+    a relative symlink on local disks, a copy of the marker on S3 (the marker names its data
+    relative to its folder, so the copy names the same data). Picklable, like the lookup above."""
+
+    def __init__(self, callback: ModelCheckpoint) -> None:
+        self.callback = callback
+
+    def __call__(self, trainer: Any, filepath: str, linkpath: str) -> None:
+        from lightning_zero.checkpoint import saver
+        from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, ZeroCheckpointIO):
+            type(self.callback)._link_checkpoint(trainer, filepath, linkpath)
+            return
+        if trainer.is_global_zero:
+            saver.link(filepath, linkpath, io.storage_options)
+        trainer.strategy.barrier()
+
+
+def _setup_allowing_remote_link(callback: ModelCheckpoint) -> Any:
+    """The callback's ``setup`` without Lightning's "link only on local paths" refusal, which
+    :class:`_LinkAfterCommit` makes unnecessary."""
+    original = type(callback).setup
+
+    def setup(trainer: Any, pl_module: Any, stage: str) -> None:
+        callback.save_last = True
+        try:
+            original(callback, trainer, pl_module, stage)
+        finally:
+            callback.save_last = "link"
+
+    return setup
+
+
+def fix_link_last(trainer: Any) -> None:
+    """Install :class:`_LinkAfterCommit` on ModelCheckpoints with ``save_last="link"`` (idempotent)."""
+    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+
+    if not isinstance(getattr(trainer.strategy, "checkpoint_io", None), ZeroCheckpointIO):
+        return
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        if isinstance(callback, ModelCheckpoint) and callback.save_last == "link" and not isinstance(
+            callback.__dict__.get("_link_checkpoint"), _LinkAfterCommit
+        ):
+            callback._link_checkpoint = _LinkAfterCommit(callback)  # type: ignore[method-assign]
+            callback.setup = _setup_allowing_remote_link(callback)  # type: ignore[method-assign]
+
+
+def install_checkpoint_reader() -> None:
+    """Make ``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read this package's
+    ``local``/``sharded`` checkpoints: Lightning opens the path with ``torch.load`` and finds a commit
+    marker without ``state_dict``; here the marker is followed and the whole checkpoint assembled, in
+    this process, with no process group (the reader ``lightning-zero convert`` uses). Other files go to
+    Lightning's own loader unchanged. Idempotent."""
+    from lightning.pytorch.core import saving
+
+    if getattr(saving.pl_load, "_lightning_zero", False):
+        return
+    original = saving.pl_load
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        from lightning_zero.checkpoint import reader
+
+        if isinstance(path_or_url, (str, os.PathLike)) and reader.is_zero_checkpoint(os.fspath(path_or_url)):
+            checkpoint = reader.read_lightning_checkpoint(os.fspath(path_or_url), optimizer=False)
+            checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
+            return checkpoint
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._lightning_zero = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__

@@ -1,17 +1,30 @@
-"""The ``lightning-zero`` command: Lightning's CLI with omegaconf interpolation in YAML configs.
+"""The ``lightning-zero`` command: Lightning's CLI with omegaconf interpolation in YAML configs, and
+``convert`` for checkpoints.
 
     lightning-zero fit --config configs/tiny_gpt.yaml
     lightning-zero fit --config configs/tiny_gpt.yaml --trainer.devices 3 --ckpt_path last
+    lightning-zero validate --config configs/tiny_gpt.yaml --ckpt_path runs/tiny_gpt/checkpoints/last.ckpt
+    lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt model.ckpt          # one full Lightning file
+    lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt hf-model --to hf    # a save_pretrained folder
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero  # noqa: F401  (registers the "zero1"/"zero2" strategy names)
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
+def run_cli(args: list[str] | None = None) -> LightningCLI:
+    """The LightningCLI object (for tests and programs that want the trainer and model afterwards)."""
+    # Configs name classes of the project they sit in (`examples.tiny_gpt.TinyGPT`); a console
+    # script, unlike `python -m`, does not put the working directory on the import path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -21,5 +34,33 @@ def main(args: list[str] | None = None) -> LightningCLI:
     )
 
 
+def convert_main(args: list[str]) -> int:
+    from lightning_zero.checkpoint import convert
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero convert",
+        description="Turn a checkpoint of any mode (local path or s3://) into one full Lightning file that"
+        " plain PyTorch and Lightning read, or into a Hugging Face save_pretrained folder. Runs in this process,"
+        " on CPU, with no process group.",
+    )
+    parser.add_argument("src", help="checkpoint path or URL (the file ModelCheckpoint wrote)")
+    parser.add_argument("dst", help="output file (--to lightning) or folder (--to hf)")
+    parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
+    parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
+    options = parser.parse_args(args)
+    written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+    print(f"wrote {written}")
+    return 0
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point: exits 0 on success."""
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["convert"]:
+        return convert_main(argv[1:])
+    run_cli(args)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -185,5 +185,12 @@ class ZeroOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
 
+    @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer. Lightning's LearningRateMonitor (like other tools that know wrapped
+        optimizers, DeepSpeed's among them) reads ``.optimizer`` to name and group it, so learning
+        rates are logged once, under the user's optimizer's name."""
+        return self.inner
+
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.inner!r})"

@@ -26,15 +26,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import saver, storage
-from lightning_zero.checkpoint import state as ckpt_state
-from lightning_zero.checkpoint.plugin import TREE_TAG, ZeroCheckpointIO
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
+from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import trainer as ckpt_trainer
+from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -49,6 +48,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         overlap_communication: reduce buckets asynchronously while backward runs.
         overlap_param_gather: leave the parameter all-gathers running into the next forward.
         reduce_dtype: the dtype gradients are reduced in (a dtype or its name); None: the parameters'.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every training
+            step, as DDP does by default; checkpoints always hold rank 0's buffers.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -70,6 +71,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        broadcast_buffers: bool = True,
     ) -> None:
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype)
@@ -83,7 +85,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        self.broadcast_buffers = broadcast_buffers
         self._engine: ZeroEngine | None = None
+        self._engine_live = False  # between fit's setup and teardown (hooks installed, steps run)
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
 
@@ -100,7 +104,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @property
     def engine(self) -> ZeroEngine:
         if self._engine is None:
-            raise RuntimeError("The ZeRO engine exists only between `setup` and `teardown` of `trainer.fit`.")
+            raise RuntimeError(
+                "The ZeRO engine exists from the setup of `trainer.fit` until the next validate/test/predict or"
+                " fit (it is kept after fit so that `trainer.save_checkpoint` can save the optimizer state)."
+            )
         return self._engine
 
     @property
@@ -119,6 +126,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._release_engine()  # a previous fit's state: a new fit builds its own, evaluation needs none
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -126,16 +134,38 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
+            self._engine_live = True
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
-            if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-                saver.prepare()
             for optimizer in self._engine.optimizers:
                 # The only mutation of checkpointed tensors: a save still staging must finish first.
-                optimizer.register_step_pre_hook(lambda *_: saver.wait_for_staging())
+                # After the closure, so staging overlaps training_step and backward (DESIGN.md).
+                optimizer.register_pre_update_hook(saver.wait_for_staging)
         else:
+            self.optimizers = []
+            self.lr_scheduler_configs = []
             _sync_module_states(self.model)
+        if isinstance(self.checkpoint_io, ZeroCheckpointIO):
+            saver.prepare()  # every save coordinates in the background, also after validate/test
         self.setup_precision_plugin()
+
+    def _release_engine(self) -> None:
+        if self._engine is not None:
+            self._last_shard_numel = self._engine.optimizer_shard_numel
+            self._engine.close()
+            self._engine = None
+            self._engine_live = False
+            # Free the engine's buffers (and the collectives' references to them) now, while the
+            # process groups live: gloo freeing them during interpreter shutdown can abort a
+            # worker that finished its fit ("terminate called without an active exception").
+            gc.collect()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self._engine_live:
+            assert self.model is not None
+            ckpt_trainer.broadcast_buffers(self.model)
+        return super().training_step(*args, **kwargs)
 
     def _route_precision_plugin(self) -> None:
         """Make Lightning's clipping and fp16 loss scaling see all shards, not this rank's.
@@ -204,102 +234,57 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """(every rank) Hand this rank's sharded state to the checkpoint plugin."""
+        """(every rank) Hand this rank's sharded state to the checkpoint plugin.
+
+        Works during and after ``fit`` (optimizer state included) and after ``validate``/``test``/
+        ``predict`` or before any fit (weights only: no optimizer exists then). A save outside the
+        training loop returns once committed, as nothing would finalize it later."""
         io = self.checkpoint_io
+        module = self.lightning_module
+        assert module is not None
         if isinstance(io, ZeroCheckpointIO):
-            io.save_checkpoint(self._checkpoint_tree(checkpoint, io.mode), filepath, storage_options)
+            io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode), filepath,
+                               storage_options)
+            if not self._engine_live:
+                saver.maybe_finalize_async_calls(blocking=True)
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
-        tree = self._checkpoint_tree(checkpoint, "full")
+        tree = ckpt_trainer.build_tree(checkpoint, module, self._engine, "full")
         full = saver.gather_tree_to_rank0(tree, None)  # on the training group, this thread
         if self.is_global_zero:
             full.pop(TREE_TAG)
+            full.pop(MARKER_FIELDS, None)
             io.save_checkpoint(full, filepath, storage_options=storage_options)
-
-    def _checkpoint_tree(self, checkpoint: dict[str, Any], mode: str) -> dict[str, Any]:
-        module = self.lightning_module
-        assert module is not None
-        trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with_optimizer = "optimizer_states" in checkpoint  # absent for save_weights_only
-        if self._engine is None:
-            raise RuntimeError("ZeroLowLevelStrategy saves checkpoints only while fitting (the engine holds the state).")
-        if mode == "full":
-            buffers = {name for name, _ in module.named_buffers()}
-            state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
-            tree = {**trainer_state, "state_dict": state_dict}
-            if with_optimizer:
-                tree["optimizer_states"] = ckpt_state.full_optimizer_states(self._engine)
-        else:
-            tree = ckpt_state.zero_state_dict(self._engine, module)
-            if not with_optimizer:
-                tree.pop("optimizer")
-            tree["trainer"] = _pack_object(trainer_state)
-        tree[TREE_TAG] = mode
-        return tree
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """(every rank) Read the mode from the checkpoint, load the shards this rank owns at the
-        current world size, and return Lightning's part of the checkpoint.
+        """(every rank) Read the mode from the checkpoint; in ``fit`` load the shards this rank owns at
+        the current world size (optimizer state too), otherwise the whole weights into the module (any
+        mode, any world size). Returns Lightning's part of the checkpoint.
 
         A damaged or incomplete ``last*`` checkpoint falls back, with a warning, to the newest
-        complete checkpoint beside it (as SageMaker HyperPod's adapter does); every rank agrees
-        on which one loaded before any state is used.
+        complete checkpoint beside it; every rank agrees on which one loaded before any state is used.
         """
         path = os.fspath(checkpoint_path)
         io = self.checkpoint_io
         options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
-        candidates = [path]
-        if os.path.basename(path.rstrip("/")).startswith("last"):
-            candidates += storage.newest_siblings(storage.resolve(path, options))
-        first_error: Exception | None = None
-        for candidate in candidates:
-            error: Exception | None = None
-            try:
-                result = self._load_one(candidate, options)
-            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointException) as exc:
-                error = exc
-            if self.reduce_boolean_decision(error is None, all=True):
-                if self._engine is not None and self._loaded_by_strategy:
-                    self._engine.publish_masters()  # collectives only once every rank has loaded
-                if candidate != path:
-                    reason = first_error or "it failed to load on another rank"
-                    rank_zero_warn(f"Checkpoint {path!r} could not be loaded ({reason}); resumed from"
-                                   f" {candidate!r}, the newest complete checkpoint beside it.")
-                return result
-            first_error = first_error or error
-        if first_error is None:  # another rank failed; this one has nothing to report
-            raise CheckpointCorruptError(f"Checkpoint {path!r} failed to load on another rank; see its error.")
-        raise first_error
-
-    def _load_one(self, path: str, options: dict[str, Any]) -> dict[str, Any]:
-        """Load into this rank's shards; no collective on the training group (ranks may fail apart)."""
-        self._loaded_by_strategy = False
-        mode = saver.read_mode(path, options)
         module = self.lightning_module
         assert module is not None
-        if mode == "full":
-            content = saver.read_full(path, options)
-            if self._engine is not None:
-                ckpt_state.load_full_into_engine(self._engine, module, content)
-                self._loaded_by_strategy = True
-            return content
-        if self._engine is None:
-            raise ValueError(
-                f"{path!r} is a {mode!r} checkpoint, which needs the ZeRO engine built by `trainer.fit`. To validate,"
-                " test or predict from it, save with ZeroCheckpointIO(mode='full')."
-            )
-        keys = saver.saved_tensor_keys(path, options)
-        for index, optimizer in enumerate(self._engine.optimizers):
-            ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
-        tree = ckpt_state.zero_state_dict(self._engine, module, for_load=True)
-        if not any(k.startswith("optimizer/") for k in keys):
-            tree.pop("optimizer")
-        objects = saver.load(tree, path, storage_options=options)
-        for optimizer, saved in zip(self._engine.optimizers, objects.get("optimizer", [])):
-            ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+        engine = self._engine
+
+        def load_one(candidate: str) -> dict[str, Any]:
+            self._loaded_by_strategy = False
+            if engine is None:
+                return ckpt_trainer.load_weights(module, candidate, options)
+            return ckpt_trainer.load_zero_state_local(engine, module, candidate, options)
+
+        _, result = ckpt_trainer.load_with_fallback(
+            path, options, load_one, lambda ok: self.reduce_boolean_decision(ok, all=True), rank_zero_warn
+        )
+        if engine is not None:
+            ckpt_trainer.publish(engine, module)  # collectives only once every rank has loaded
         self._loaded_by_strategy = True
-        return {**_unpack_object(objects["trainer"]), "state_dict": module.state_dict()}
+        return result
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -314,14 +299,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
+        if self._engine is not None and self._engine_live:
+            # Hooks off, state kept: `trainer.save_checkpoint` after fit saves what the last step had.
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
-            self._engine = None
-            # Free the engine's buffers (and the collectives' references to them) now, while the
-            # process groups live: gloo freeing them during interpreter shutdown can abort a
-            # worker that finished its fit ("terminate called without an active exception").
-            gc.collect()
+            self._engine_live = False
         super().teardown()
 
     @classmethod
@@ -334,28 +316,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage, override=True)
-
-
-def _pack_object(obj: Any) -> bytes:
-    """Lightning's loop/callback state as one blob, so tensors in it stay out of the sharded tree."""
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _unpack_object(blob: bytes) -> dict[str, Any]:
-    import io
-    import pickle
-
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=True)
-    except pickle.UnpicklingError as exc:
-        # Hyper-parameters may hold arbitrary classes that weights_only refuses; the tensors of a
-        # checkpoint are always loaded with weights_only=True, this metadata blob is the exception.
-        rank_zero_warn(f"Loading the trainer state of a checkpoint with weights_only=False: {exc}")
-        return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 def _unwrap(optimizer: Optimizer) -> ZeroOptimizer:

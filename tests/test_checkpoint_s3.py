@@ -8,7 +8,6 @@ Lightning's own s3fs calls need because conftest.py exports it before the server
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -25,6 +24,8 @@ from checkpoint_cases import (
 )
 from conftest_s3 import s3  # noqa: F401
 from s3_server import S3
+
+from lightning_zero.checkpoint import storage
 
 pytestmark = pytest.mark.s3
 
@@ -59,10 +60,10 @@ def test_s3_layout_is_a_marker_object_with_versioned_data(round_trips: Any, s3: 
     prefix = root.removeprefix(f"s3://{s3.bucket}/")
     keys = s3.keys(root)
     for mode in ("local", "sharded"):
-        marker = json.loads(s3.read(f"{root}/{mode}.ckpt"))
+        marker = storage.read_marker(storage.resolve(f"{root}/{mode}.ckpt"))
         assert marker["mode"] == mode and marker["world_size"] == WORLD_SIZE
         data = [k for k in keys if k.startswith(f"{prefix}/_zero_data/{mode}.ckpt/")]
-        assert data and all(k.startswith(f"{prefix}/_zero_data/{mode}.ckpt/{marker['data']}/") for k in data)
+        assert data and all(k.startswith(f"{prefix}/_zero_data/{mode}.ckpt/{marker['data'].rsplit('/', 1)[-1]}/") for k in data)
     assert s3.read(f"{root}/full.ckpt")[:2] == b"PK"
     # No temporary objects left behind (S3 has no rename: nothing is written under a tmp name).
     assert not [k for k in keys if ".tmp-" in k]

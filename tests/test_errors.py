@@ -44,7 +44,7 @@ def test_engine_without_process_group_says_to_initialize_one() -> None:
 
 def test_strategy_engine_is_unavailable_outside_fit() -> None:
     strategy = ZeroLowLevelStrategy(stage=2)
-    with pytest.raises(RuntimeError, match="between `setup` and `teardown`"):
+    with pytest.raises(RuntimeError, match="from the setup of `trainer.fit`"):
         _ = strategy.engine
     with pytest.raises(RuntimeError, match="once `trainer.fit` has set the strategy up"):
         _ = strategy.optimizer_shard_numel

@@ -1,9 +1,12 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
+from lightning_zero.checkpoint.convert import convert, save_pretrained
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+from lightning_zero.checkpoint.reader import read_lightning_checkpoint
 from lightning_zero.checkpoint.saver import (
     CheckpointSaveError,
     async_save,
+    link,
     load,
     maybe_finalize_async_calls,
     read_mode,
@@ -11,7 +14,9 @@ from lightning_zero.checkpoint.saver import (
     save,
     wait_for_staging,
 )
+from lightning_zero.checkpoint.state import zero_state_dict
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
+from lightning_zero.checkpoint.trainer import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.tree import FlatShard
 
 __all__ = [
@@ -21,10 +26,17 @@ __all__ = [
     "FlatShard",
     "ZeroCheckpointIO",
     "async_save",
+    "convert",
+    "link",
     "load",
+    "load_weights",
+    "load_zero_state_dict",
     "maybe_finalize_async_calls",
+    "read_lightning_checkpoint",
     "read_mode",
     "remove",
     "save",
+    "save_pretrained",
     "wait_for_staging",
+    "zero_state_dict",
 ]

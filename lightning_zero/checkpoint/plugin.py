@@ -10,8 +10,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.saver import Mode
-
-TREE_TAG = "lightning_zero"
+from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
 
 
 class ZeroCheckpointIO(CheckpointIO):
@@ -47,7 +46,9 @@ class ZeroCheckpointIO(CheckpointIO):
             self._plain.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         options = {**self.storage_options, **(storage_options or {})}
-        saver.async_save(checkpoint, os.fspath(path), mode=self.mode, storage_options=options)
+        tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
+        saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
+                         marker_fields=checkpoint.get(MARKER_FIELDS))
         if not self.async_save:
             saver.maybe_finalize_async_calls(blocking=True)
 

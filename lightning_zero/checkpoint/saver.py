@@ -157,6 +157,19 @@ class _AsyncSaver:
 
         self._removals.append((loc, self.executor().submit(job)))
 
+    def link_after_pending(self, target: Location, link: Location) -> None:
+        """Make ``link`` name the checkpoint ``target`` once the save in flight has committed."""
+        pending = self._pending
+        after = pending.future if pending is not None else None
+
+        def job() -> None:
+            if after is not None and after.exception() is not None:
+                log.warning("Not linking %s: %s failed to save.", link.url, target.url)
+                return
+            storage.link(target, link)
+
+        self._removals.append((link, self.executor().submit(job)))
+
     def _reap_removals(self, blocking: bool) -> None:
         still_running = []
         for loc, future in self._removals:
@@ -176,22 +189,26 @@ _SAVER = _AsyncSaver()
 
 
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-               storage_options: dict[str, Any] | None = None) -> None:
+               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
-    :func:`wait_for_staging` returns (the strategy calls it before each optimizer step)."""
+    :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
+
+    ``marker_fields`` (rank 0's are used): small plain values copied into the commit marker, where
+    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py)."""
     validate_mode(mode)
     group = coordination_group()
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
-    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged))
+    fields = dict(marker_fields or {})
+    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields))
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-         storage_options: dict[str, Any] | None = None) -> None:
+         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
-    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options)
+    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields)
     maybe_finalize_async_calls(blocking=True)
 
 
@@ -206,6 +223,12 @@ def wait_for_staging() -> None:
     _SAVER.wait_for_staging()
 
 
+def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | None = None) -> None:
+    """(one rank) Make ``link_id`` another name of checkpoint ``checkpoint_id``, after the save in
+    flight has committed (``ModelCheckpoint(save_last="link")``)."""
+    _SAVER.link_after_pending(storage.resolve(checkpoint_id, storage_options), storage.resolve(link_id, storage_options))
+
+
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
     """(one rank) Delete a checkpoint, after the save in flight has committed."""
     _SAVER.remove_after_pending(storage.resolve(checkpoint_id, storage_options))
@@ -214,7 +237,8 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 # ---- the background job -------------------------------------------------------------------
 
 
-def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event) -> None:
+def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
+              marker_fields: dict[str, Any]) -> None:
     rank, world_size = _world()
     try:
         state = stage(state)
@@ -242,7 +266,10 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     commit_error: str | None = None
     if rank == 0 and mode != "full":
         try:
-            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": version_dir.rsplit("/", 1)[-1]})
+            # The data directory relative to the marker's folder: a copy of the marker beside it (a
+            # `save_last="link"` on S3) names the same data.
+            data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
+            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data}, marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
             _discard(loc, version_dir)
@@ -301,6 +328,7 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
 def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors, objects = _split_for_dcp(state)
     if _world()[0] == 0:
@@ -309,7 +337,10 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any) -> N
         loc.fs.unstrip_protocol(version_dir), sync_files=False, **_fs_options(loc)
     )  # fsync fails on s3fs streams: durability there comes from the completed upload
     try:
-        dcp.save(tensors, storage_writer=writer, process_group=group)
+        # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
+        # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
 
@@ -347,17 +378,24 @@ def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
     """Tensors (FlatShard as 1-D DTensors) for DCP, keyed by path; the rest for ``objects.pt``."""
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = _mesh()
     tensors: dict[str, Any] = {}
     for path, leaf in walk(state):
         key = "/".join(path)
         if isinstance(leaf, FlatShard):
-            tensors[key] = DTensor.from_local(leaf.local, mesh, [Shard(0)], run_check=False,
+            tensors[key] = DTensor.from_local(leaf.local, _mesh(), [Shard(0)], run_check=False,
                                               shape=torch.Size([leaf.numel]), stride=(1,))
         elif isinstance(leaf, Tensor):
             tensors[key] = leaf
-    objects = map_leaves(state, lambda leaf: None if is_tensor_leaf(leaf) else leaf)
+    objects = map_leaves(state, _object_leaf)
     return tensors, objects
+
+
+def _object_leaf(leaf: Any) -> Any:
+    """What ``objects.pt`` keeps of a leaf: the value, nothing for a tensor (DCP holds it), and the
+    full shape of a flat shard (DCP stores it flattened; readers of the whole checkpoint reshape it)."""
+    if isinstance(leaf, FlatShard):
+        return {"flat_shard_shape": list(leaf.shape)}
+    return None if is_tensor_leaf(leaf) else leaf
 
 
 _device_mesh: Any = None
@@ -439,7 +477,7 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     marker = storage.read_marker(loc)
     if marker is None:
         raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
-    if marker["mode"] == "sharded":
+    if marker.get("mode") == "sharded":
         return _read_dcp_keys(loc, _dcp_reader(loc, _version_dir(loc, marker)))
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
@@ -454,8 +492,18 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
 
 
 def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> Mode:
-    marker = storage.read_marker(storage.resolve(checkpoint_id, storage_options))
-    return "full" if marker is None else marker["mode"]
+    loc = storage.resolve(checkpoint_id, storage_options)
+    marker = storage.read_marker(loc)
+    if marker is None:
+        return "full"
+    return validate_marker_mode(loc, marker)
+
+
+def validate_marker_mode(loc: Location, marker: dict[str, Any]) -> Mode:
+    mode = marker.get("mode")
+    if mode not in MODES:
+        raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}; it is damaged.")
+    return mode  # type: ignore[return-value]
 
 
 _READ_AHEAD: dict[str, Any] = {}
@@ -525,7 +573,10 @@ def _walk_encoded(tree: Any) -> Any:
 
 
 def _version_dir(loc: Location, marker: dict[str, Any]) -> str:
-    return loc.join(loc.data_root(), marker["data"])
+    data = str(marker["data"])
+    if "/" in data:  # relative to the marker's folder
+        return loc.join(loc.parent, data)
+    return loc.join(loc.data_root(), data)  # markers of version 1
 
 
 def _load_full(state_dict: dict[str, Any], loc: Location) -> dict[str, Any]:

@@ -10,6 +10,7 @@ form (indices in param-group order), so plain DDP can resume from it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -42,7 +43,14 @@ def _param_groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
             for g in opt.param_groups]
 
 
+def flat_master(sp: ShardedParam, world_size: int) -> FlatShard:
+    return _flat(sp, sp.master, world_size)
+
+
 def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False) -> dict[str, Any]:
+    """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
+    (see the layout in :mod:`lightning_zero.checkpoint.trainer`). ``for_load``: the tree a load
+    fills (buffers not copied, no ``meta``)."""
     ws = engine.world_size
     model: dict[str, Any] = {}
     for fqn, p in module.named_parameters():
@@ -59,7 +67,40 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
             if entry:
                 state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(v, sp) else v for k, v in entry.items()}
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
-    return {"model": model, "optimizer": optimizers}
+    tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
+    if not for_load:
+        tree["meta"] = module_meta(module)
+    return tree
+
+
+def module_meta(module: nn.Module) -> dict[str, Any]:
+    """What a reader without the module needs to rebuild ``state_dict`` and a Hugging Face folder."""
+    names = {id(p): fqn for fqn, p in module.named_parameters()}
+    aliases = {fqn: names[id(p)] for fqn, p in module.named_parameters(remove_duplicate=False)
+               if names[id(p)] != fqn}
+    meta: dict[str, Any] = {
+        "param_dtypes": {fqn: str(p.dtype).removeprefix("torch.") for fqn, p in module.named_parameters()},
+        "state_dict_keys": list(module.state_dict().keys()),
+        "aliases": aliases,
+    }
+    hf = find_pretrained(module)
+    if hf is not None:
+        prefix, model = hf
+        meta["hf"] = {"prefix": prefix, "class": type(model).__name__, "config": model.config.to_json_string()}
+    return meta
+
+
+def find_pretrained(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first ``transformers.PreTrainedModel`` inside ``module`` and its state_dict prefix."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel):
+            return (f"{name}." if name else ""), sub
+    return None
+
 
 
 def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
@@ -115,10 +156,17 @@ def apply_param_groups(opt: ZeroOptimizer, saved: list[dict[str, Any]]) -> None:
 
 
 @torch.no_grad()
-def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[str, Any], strict: bool = True) -> None:
-    """Put a ``full`` (Lightning-format) checkpoint into the engine, at any world size."""
+def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[str, Any], strict: bool = True,
+                          masters: dict[str, Tensor] | None = None) -> None:
+    """Put a ``full`` (Lightning-format) checkpoint into the engine, at any world size.
+
+    ``masters``: the exact fp32 masters of parameters saved in a lower precision; without them the
+    masters are rebuilt from the (rounded) weights."""
     module.load_state_dict(content["state_dict"], strict=strict)
     engine.refresh_masters_from_params()
+    for sp in engine.sharded_params.values():
+        if masters and sp.fqn in masters:
+            sp.master.copy_(sp.own_elements(masters[sp.fqn]))
     saved_states = content.get("optimizer_states") or []
     if len(saved_states) != len(engine.optimizers):
         raise ValueError(

@@ -3,7 +3,7 @@
 [Note: checkpoint layout] A checkpoint at ``<parent>/<name>`` is
 
 * ``full`` mode: one ordinary ``torch.save`` file at ``<parent>/<name>``;
-* ``local`` / ``sharded`` mode: a small JSON *commit marker* at ``<parent>/<name>`` and the data in
+* ``local`` / ``sharded`` mode: a small *commit marker* (see [Note: marker format]) at ``<parent>/<name>`` and the data in
   ``<parent>/_zero_data/<name>/<version>/``.
 
 The marker is written last, by one coordinator, once every rank's files are complete, and it
@@ -17,17 +17,20 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import torch
 from fsspec.implementations.local import LocalFileSystem
 
 MARKER_FORMAT = "lightning_zero"
-MARKER_VERSION = 1
+MARKER_VERSION = 2
 DATA_DIR = "_zero_data"
 
 
@@ -101,9 +104,31 @@ def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
 
 
-def write_marker(loc: Location, marker: dict[str, Any]) -> None:
-    """(coordinator) Commit: atomically make ``loc`` point at a complete checkpoint."""
-    payload = json.dumps({"format": MARKER_FORMAT, "version": MARKER_VERSION, **marker}, indent=1).encode()
+MARKER_KEY = "lightning_zero"
+"""The key of a marker's own fields inside the marker file."""
+
+_MARKER_NOTE = (
+    "This file is the commit marker of a sharded lightning_zero checkpoint; its tensors are in {data}."
+    " `import lightning_zero` makes LightningModule.load_from_checkpoint read it; `lightning-zero convert"
+    " SRC DST` turns it into one ordinary Lightning file."
+)
+
+
+def write_marker(loc: Location, marker: dict[str, Any], lightning_fields: dict[str, Any] | None = None) -> None:
+    """(coordinator) Commit: atomically make ``loc`` point at a complete checkpoint.
+
+    [Note: marker format] The marker is a tiny ``torch.save`` file holding no tensor, not JSON, so
+    that everything that opens a Lightning checkpoint path with ``torch.load(weights_only=True)``
+    reads it: LightningCLI's ``--ckpt_path`` (which reads ``hyper_parameters`` before anything
+    runs), a user's ``torch.load(path)``, Lightning's ``load_from_checkpoint`` (made to follow the
+    marker by ``import lightning_zero``). ``lightning_fields`` are Lightning's small top-level
+    keys (hyper-parameters, versions, epoch, step), copied so those readers find them.
+    """
+    fields = {"format": MARKER_FORMAT, "version": MARKER_VERSION, **marker}
+    content = {**(lightning_fields or {}), MARKER_KEY: fields, "note": _MARKER_NOTE.format(data=marker.get("data"))}
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    payload = buffer.getvalue()
     if loc.parent:
         loc.fs.makedirs(loc.parent, exist_ok=True)
     if loc.is_local:
@@ -119,7 +144,7 @@ def write_marker(loc: Location, marker: dict[str, Any]) -> None:
 
 
 def read_marker(loc: Location) -> dict[str, Any] | None:
-    """The commit marker, or None when ``loc`` is a ``full`` checkpoint file. Raises when absent."""
+    """The commit marker's fields, or None when ``loc`` is a ``full`` checkpoint file. Raises when absent."""
     try:
         if not loc.fs.exists(loc.path):
             raise CheckpointNotFoundError(_missing_message(loc))
@@ -129,20 +154,55 @@ def read_marker(loc: Location) -> dict[str, Any] | None:
                 " or its save never completed. Pass the path of a checkpoint this package wrote."
             )
         with loc.fs.open(loc.path, "rb") as f:
-            head = f.read(1)
-            if head != b"{":
-                return None  # a torch.save zip file: full mode
-            body = head + f.read()
-    except CheckpointNotFoundError:
+            head = f.read(4)
+            if head[:1] == b"{":
+                body, kind = head + f.read(), "json"
+            elif head == b"PK\x03\x04":
+                f.seek(0)
+                if _zip_holds_tensors(f):
+                    return None  # a torch.save file with tensors: full mode
+                f.seek(0)
+                body, kind = f.read(), "zip"
+            else:
+                raise CheckpointCorruptError(
+                    f"{loc.url!r} is neither a lightning_zero commit marker nor a torch.save file: it is damaged or"
+                    " not a checkpoint."
+                )
+    except (CheckpointNotFoundError, CheckpointCorruptError):
         raise
     except Exception as exc:
         raise storage_error(loc, "read", exc) from exc
+    return _parse_marker(loc, body, kind)
+
+
+def _zip_holds_tensors(f: Any) -> bool:
+    """Whether a torch.save zip has tensor records; reads only its central directory (a ranged read on S3)."""
     try:
-        marker = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise CheckpointCorruptError(f"Commit marker {loc.url!r} is damaged ({exc}); use another checkpoint.") from exc
-    if marker.get("format") != MARKER_FORMAT:
-        raise CheckpointNotFoundError(f"{loc.url!r} is a JSON file, not a lightning_zero checkpoint.")
+        names = zipfile.ZipFile(f).namelist()
+    except zipfile.BadZipFile:
+        return True  # let the full-file reader report the damage with its own message
+    return any("/data/" in name for name in names)
+
+
+def _parse_marker(loc: Location, body: bytes, kind: str) -> dict[str, Any]:
+    try:
+        if kind == "json":  # markers of version 1
+            content: Any = {MARKER_KEY: json.loads(body)}
+        else:
+            content = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"Commit marker {loc.url!r} is damaged ({type(exc).__name__}: {exc}); use another checkpoint."
+        ) from exc
+    marker = content.get(MARKER_KEY) if isinstance(content, dict) else None
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+        label = "a JSON file" if kind == "json" else "a torch.save file without tensors"
+        raise CheckpointNotFoundError(f"{loc.url!r} is {label}, not a lightning_zero checkpoint.")
+    missing = [key for key in ("mode", "data") if key not in marker]
+    if missing:
+        raise CheckpointCorruptError(
+            f"Commit marker {loc.url!r} lacks {missing}: it is damaged. Resume from another checkpoint."
+        )
     return marker
 
 
@@ -174,6 +234,23 @@ def remove(loc: Location) -> None:
             loc.fs.rm(root, recursive=True)
     except Exception as exc:
         raise storage_error(loc, "remove", exc) from exc
+
+
+def link(target: Location, link: Location) -> None:
+    """``link`` becomes another name of checkpoint ``target`` (same folder): a relative symlink on a
+    local disk, a copy of the marker (or of the ``full`` file) on object stores, which have no links.
+    Replaced atomically, as a marker is."""
+    if target.path == link.path:
+        return
+    try:
+        if link.is_local:
+            tmp = f"{link.path}.tmp-{uuid.uuid4().hex[:8]}"
+            os.symlink(os.path.relpath(target.path, os.path.dirname(link.path)), tmp)
+            os.replace(tmp, link.path)
+        else:
+            link.fs.copy(target.path, link.path)
+    except Exception as exc:
+        raise storage_error(link, "link", exc) from exc
 
 
 def remove_stale_versions(loc: Location, keep: str) -> None:

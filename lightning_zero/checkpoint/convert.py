@@ -1,0 +1,106 @@
+"""``lightning-zero convert``: any checkpoint of this package as one file or a Hugging Face folder.
+
+Runs in one CPU process with no process group, reading local paths and ``s3://`` alike through
+:mod:`~lightning_zero.checkpoint.reader`:
+
+* ``to="lightning"``: one ``full`` Lightning checkpoint (weights, optimizer state in PyTorch's
+  per-parameter form, loops, callbacks, the fp32 masters) that ``torch.load(weights_only=True)``,
+  ``LightningModule.load_from_checkpoint`` and a plain ``ddp`` resume read;
+* ``to="hf"``: a ``save_pretrained`` folder (``config.json``, ``model.safetensors``, sharded with an
+  index above ``max_shard_size``, tied weights stored once) for a module that holds a
+  ``transformers`` model; the checkpoint records that model's class and config when it is saved.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint
+
+
+def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
+            storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
+            max_shard_size: int | str = "5GB") -> str:
+    """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file or a Hugging Face folder at ``dst``."""
+    if to not in ("lightning", "hf"):
+        raise ValueError(f"convert(to=...) must be 'lightning' or 'hf', got {to!r}.")
+    checkpoint = read_lightning_checkpoint(src, storage_options, optimizer=to == "lightning")
+    out = storage.resolve(dst, dst_storage_options if dst_storage_options is not None else storage_options)
+    if to == "lightning":
+        _write_file(out, checkpoint)
+        return out.url
+    hf = (checkpoint.get(META_KEY) or {}).get("hf")
+    if not hf:
+        raise ValueError(
+            f"{src!r} was not saved from a module holding a transformers PreTrainedModel, so it has no Hugging Face"
+            " config to export; convert it to a Lightning file instead (--to lightning)."
+        )
+    prefix = hf["prefix"]
+    state_dict = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    model = _pretrained_from(hf["class"], hf["config"])
+    model.load_state_dict(state_dict, strict=True)
+    _save_pretrained(model, out, max_shard_size)
+    return out.url
+
+
+def save_pretrained(module: nn.Module, folder: str, *, max_shard_size: int | str = "5GB",
+                    storage_options: dict[str, Any] | None = None) -> str:
+    """Export the ``transformers`` model inside a live (trained) module as a ``save_pretrained`` folder.
+
+    Call it on rank 0 after training (the parameters are whole on every rank; under ZeroLowLevelStrategy
+    ``trainer.fit`` has finished every parameter gather by the time it returns)."""
+    from lightning_zero.checkpoint.state import find_pretrained
+
+    found = find_pretrained(module)
+    if found is None:
+        raise ValueError(f"{type(module).__name__} holds no transformers PreTrainedModel to export.")
+    _save_pretrained(found[1], storage.resolve(folder, storage_options), max_shard_size)
+    return folder
+
+
+def _pretrained_from(class_name: str, config_json: str) -> nn.Module:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("Exporting a Hugging Face folder needs `transformers`: pip install transformers") from exc
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(config_json)
+        config = transformers.AutoConfig.from_pretrained(tmp)
+    model_class = getattr(transformers, class_name, None)
+    if model_class is None:
+        raise ValueError(f"transformers has no class {class_name!r}: install the version the model was trained with.")
+    return model_class(config)
+
+
+def _save_pretrained(model: Any, out: storage.Location, max_shard_size: int | str) -> None:
+    if out.is_local:
+        model.save_pretrained(out.path, max_shard_size=max_shard_size)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        for name in os.listdir(tmp):
+            out.fs.put_file(os.path.join(tmp, name), out.join(out.path, name))
+
+
+def _write_file(out: storage.Location, checkpoint: dict[str, Any]) -> None:
+    """One ``torch.save`` file, appearing whole or not at all on a local disk."""
+    if out.is_local:
+        os.makedirs(os.path.dirname(out.path) or ".", exist_ok=True)
+        tmp = f"{out.path}.tmp-convert"
+        try:
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, out.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    else:
+        with out.fs.open(out.path, "wb") as f:
+            torch.save(checkpoint, f)
+

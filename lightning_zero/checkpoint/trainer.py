@@ -1,0 +1,247 @@
+"""Lightning's checkpoint dict <-> the ZeRO tree, and which part of the training state each load fills.
+
+The tree of ``local`` and ``sharded`` checkpoints (built by :func:`build_tree`)::
+
+    model/<fqn>                      fp32 master shard (FlatShard) of each parameter the engine holds;
+                                     other parameters and the buffers as whole tensors (rank 0's)
+    optimizer/<i>/state/<fqn>/<key>  optimizer state shards (FlatShard) and scalars
+    optimizer/<i>/param_groups       hyper-parameters, params named by fqn
+    trainer                          Lightning's loops, callbacks, hyper-parameters (one blob)
+    meta                             parameter dtypes, state_dict key order and tied-weight aliases,
+                                     the Hugging Face config when the module holds a transformers model
+
+``full`` checkpoints are Lightning's own format (``state_dict``, ``optimizer_states`` in PyTorch's
+per-parameter form), plus the fp32 masters of parameters kept in a lower precision.
+
+Which load fills what:
+
+* :func:`load_zero_state_dict` (``trainer.fit(ckpt_path=...)``, and the functional resume in one
+  call): this rank's master and optimizer-state shards, at any world size for ``sharded``/``full``;
+* :func:`load_weights` (``validate/test/predict(ckpt_path=...)``): the whole weights into the
+  module, at any world size and from every mode (:mod:`~lightning_zero.checkpoint.reader`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero.checkpoint import saver, storage
+from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
+from lightning_zero.checkpoint.storage import CheckpointCorruptError
+from lightning_zero.checkpoint.tree import tensor_paths
+from lightning_zero.engine import ZeroEngine
+
+TREE_TAG = "lightning_zero"
+"""Key of the mode in a tree built by :func:`build_tree` (the plugin checks it)."""
+MARKER_FIELDS = "marker_fields"
+"""Key of the Lightning fields a tree carries to the commit marker (see [Note: marker format])."""
+LIGHTNING_FIELDS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
+                    "hparams_type", "datamodule_hyper_parameters", "datamodule_hparams_name")
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+
+def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None, mode: str) -> dict[str, Any]:
+    """The tree ``ZeroCheckpointIO(mode)`` writes for Lightning's ``checkpoint`` dict.
+
+    Without an engine (a save after ``validate``/``test``/``predict``, or before ``fit``) the
+    weights are the module's own, and no optimizer state is saved."""
+    trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    with_optimizer = engine is not None and "optimizer_states" in checkpoint  # absent for save_weights_only
+    if engine is None:
+        trainer_state.pop("lr_schedulers", None)
+    if mode == "full":
+        buffers = {name for name, _ in module.named_buffers()}
+        state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
+        tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: ckpt_state.module_meta(module)}
+        if engine is not None:
+            masters = {sp.fqn: ckpt_state.flat_master(sp, engine.world_size) for sp in engine.sharded_params.values()
+                       if sp.master.dtype != sp.param.dtype}
+            if masters:
+                tree[MASTERS_KEY] = masters
+        if with_optimizer:
+            assert engine is not None
+            tree["optimizer_states"] = ckpt_state.full_optimizer_states(engine)
+    else:
+        tree = ckpt_state.zero_state_dict(engine, module) if engine is not None else _weights_tree(module)
+        if not with_optimizer:
+            tree.pop("optimizer", None)
+        tree["trainer"] = trainer_state_blob(trainer_state)
+        tree.setdefault("meta", ckpt_state.module_meta(module))
+        tree[MARKER_FIELDS] = marker_fields(trainer_state)
+    tree[TREE_TAG] = mode
+    return tree
+
+
+def _weights_tree(module: nn.Module) -> dict[str, Any]:
+    """Weights only, without an engine: whole tensors (DCP writes each once, from rank 0)."""
+    model = {fqn: p.detach() for fqn, p in module.named_parameters()}
+    model.update({fqn: b.detach().clone() for fqn, b in module.named_buffers()})
+    return {"model": model}
+
+
+def marker_fields(trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's small top-level fields, where they load with ``weights_only=True`` (hyper-parameters
+    holding classes stay in the trainer blob only: the marker must always be readable)."""
+    fields = {k: trainer_state[k] for k in LIGHTNING_FIELDS if k in trainer_state}
+    try:
+        buffer = io.BytesIO()
+        torch.save(fields, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception:
+        fields = {k: v for k, v in fields.items() if "hyper" not in k and "hparams" not in k}
+    return fields
+
+
+def trainer_state_blob(trainer_state: dict[str, Any]) -> bytes:
+    """Lightning's loop/callback state as one blob, so tensors in it stay out of the sharded tree."""
+    buffer = io.BytesIO()
+    torch.save(trainer_state, buffer)
+    return buffer.getvalue()
+
+
+def read_trainer_state(blob: bytes, url: str) -> dict[str, Any]:
+    """Lightning's loop/callback state, on CPU, never unpickling arbitrary objects.
+
+    Lightning's own rule for ``weights_only`` loads: tensors, containers and plain values only.
+    Hyper-parameters that hold a class (an ``nn.Module``, a dataclass) are refused with its name and
+    the fix, never retried with ``weights_only=False`` (a crafted checkpoint would run code)."""
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        name = found.group(1) if found else "an object that is not a tensor, container or plain value"
+        raise CheckpointCorruptError(
+            f"The trainer state of checkpoint {url!r} holds {name}, which is not loaded: checkpoints are read"
+            " with weights_only=True, so that a crafted file cannot run code. If you saved it yourself and trust"
+            f" it, allow the class with torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1]}]) before"
+            " loading; better, keep only plain values in save_hyperparameters()."
+        ) from None
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"The trainer state of checkpoint {url!r} is damaged ({type(exc).__name__}: {exc}); resume from"
+            " another checkpoint."
+        ) from exc
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+
+def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
+                          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill this rank's shards (masters, optimizer state, hyper-parameters) and the buffers from a
+    checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
+    call :func:`publish` on every rank once every rank has loaded."""
+    options = storage_options or {}
+    mode = saver.read_mode(checkpoint_id, options)
+    if mode == "full":
+        content = saver.read_full(checkpoint_id, options)
+        if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
+            ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
+            return content
+        keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
+    else:
+        keys = saver.saved_tensor_keys(checkpoint_id, options)
+    for index, optimizer in enumerate(engine.optimizers):
+        ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
+    tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
+    if not any(k.startswith("optimizer/") for k in keys):
+        tree.pop("optimizer")
+    objects = saver.load(tree, checkpoint_id, storage_options=options)
+    for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
+        ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+    content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
+    return {**content, "state_dict": module.state_dict()}
+
+
+def publish(engine: ZeroEngine, module: nn.Module) -> None:
+    """(collective, every rank) Gather the loaded masters into the model and take rank 0's buffers."""
+    engine.publish_masters()
+    broadcast_buffers(module, engine.group)
+
+
+def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: str, *,
+                         storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """(every rank) Resume a fresh engine from a checkpoint of any mode, in one call: master weights,
+    optimizer state and hyper-parameters, the model's weights and buffers. Returns the checkpoint's
+    other content (for a Lightning checkpoint: loops, callbacks, ...)."""
+    content = load_zero_state_local(engine, module, checkpoint_id, storage_options)
+    publish(engine, module)
+    return content
+
+
+@torch.no_grad()
+def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
+    from any mode and at any world size; no optimizer state. Returns Lightning's part."""
+    content = read_lightning_checkpoint(checkpoint_id, storage_options, optimizer=False)
+    state_dict = dict(content["state_dict"])
+    masters = content.get(MASTERS_KEY) or {}
+    params = dict(module.named_parameters())
+    for fqn, master in masters.items():
+        if fqn in params:
+            state_dict[fqn] = master.reshape(params[fqn].shape)  # exact values; load_state_dict casts once
+    module.load_state_dict(state_dict)
+    content.pop("optimizer_states", None)
+    return {**content, "state_dict": module.state_dict()}
+
+
+@torch.no_grad()
+def broadcast_buffers(module: nn.Module, group: Any = None) -> None:
+    """(collective) Rank 0's buffers on every rank, one flat broadcast per dtype and device, as
+    DDP's ``broadcast_buffers`` does before each forward."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for buffer in module.buffers():
+        by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for buffers in by_kind.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
+def load_with_fallback(path: str, storage_options: dict[str, Any], load_one: Callable[[str], dict[str, Any]],
+                       agree: Callable[[bool], bool], warn: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
+    """(every rank) ``load_one(path)``, or, when a ``last*`` checkpoint is damaged or incomplete on
+    any rank, the newest complete checkpoint beside it (as SageMaker HyperPod's adapter does).
+
+    ``agree(ok)`` is True when ``ok`` is True on every rank: all ranks settle on the same
+    checkpoint before any state is used. Returns the path loaded and ``load_one``'s result."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    candidates = [path]
+    if path.rstrip("/").rsplit("/", 1)[-1].startswith("last"):
+        candidates += storage.newest_siblings(storage.resolve(path, storage_options))
+    first_error: BaseException | None = None
+    for candidate in candidates:
+        error: BaseException | None = None
+        result: dict[str, Any] = {}
+        try:
+            result = load_one(candidate)
+        except (CheckpointCorruptError, storage.CheckpointNotFoundError, CheckpointException) as exc:
+            error = exc
+        if agree(error is None):
+            if candidate != path:
+                reason = first_error or "it failed to load on another rank"
+                warn(f"Checkpoint {path!r} could not be loaded ({reason}); resumed from {candidate!r}, the newest"
+                     " complete checkpoint beside it.")
+            return candidate, result
+        first_error = first_error or error
+    if first_error is None:  # another rank failed; this one has nothing to report
+        raise CheckpointCorruptError(f"Checkpoint {path!r} failed to load on another rank; see its error.")
+    raise first_error
