@@ -387,12 +387,44 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
 
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            torch.save(obj, f)
+            _save_keeping_write_errors(obj, f)
             f.flush()
             os.fsync(f.fileno())
     else:
         with loc.fs.open(path, "wb") as f:
-            torch.save(obj, f)
+            _save_keeping_write_errors(obj, f)
+
+
+class _WriteErrorKeeper:
+    """A file wrapper that remembers the first error of ``write``.
+
+    torch.save's C++ zip writer swallows the Python exception of a failed ``write`` and reports only
+    "[enforce fail at inline_container.cc] unexpected pos" (seen on a full tmpfs): the real cause
+    (ENOSPC, a refused upload) is re-raised from here instead."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._raw.write(data)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def _save_keeping_write_errors(obj: Any, f: Any) -> None:
+    keeper = _WriteErrorKeeper(f)
+    try:
+        torch.save(obj, keeper)
+    except Exception as exc:
+        if keeper.error is not None:
+            raise keeper.error from exc
+        raise
 
 
 def _encode_shards(state: Any) -> Any:
