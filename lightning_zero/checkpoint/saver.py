@@ -311,7 +311,9 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         error = f"rank {rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
     errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
-        if rank == 0 and version_dir:
+        if rank == 0 and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
+            # (An unreachable store keeps the partial version: nothing points at it, and the next
+            # successful save of this name deletes it with the other stale versions.)
             _discard(loc, version_dir)
         raise CheckpointSaveError(
             f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
@@ -391,8 +393,17 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
     else:
-        with loc.fs.open(path, "wb") as f:
+        f = loc.fs.open(path, "wb")
+        try:
             _save_keeping_write_errors(obj, f)
+        except BaseException:
+            # fsspec's close() would finish the upload of the partial file (and retry against a store
+            # that stopped answering): abort the multipart upload instead.
+            with contextlib.suppress(Exception):
+                f.discard()
+            f.closed = True
+            raise
+        f.close()
 
 
 class _WriteErrorKeeper:
@@ -458,6 +469,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
         writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))
+        _same_retries(writer, loc)
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
@@ -489,6 +501,22 @@ def _dcp_failure(exc: CheckpointException) -> Exception:
 
 def _fs_options(loc: Location) -> dict[str, Any]:
     return dict(getattr(loc.fs, "storage_options", {}) or {})
+
+
+def _same_retries(dcp_storage: Any, loc: Location) -> None:
+    """DCP's fsspec reader/writer build their own filesystem from the options (a new instance when the
+    cache is skipped): it gets the bounded retries of ``loc.fs`` (see [Note: bounded S3 failures])."""
+    inner = getattr(getattr(dcp_storage, "fs", None), "fs", None)
+    if inner is not None and hasattr(loc.fs, "retries"):
+        inner.retries = loc.fs.retries
+
+
+def _unreachable(error: str) -> bool:
+    """Whether a save failed because the store stopped answering (every further call would wait out
+    its timeouts and retries too)."""
+    return any(sign in error for sign in ("ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "timed out",
+                                          "ClientConnectorError", "ServerDisconnected", "Connection reset",
+                                          "ConnectionClosed", "Cannot connect"))
 
 
 def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
@@ -847,8 +875,10 @@ def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False
 
     if loc.is_local:
         return integrity.verifying_reader(dcp.FileSystemReader, loc.url, require)(version_dir)
-    return integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
-                                                                      **_fs_options(loc))
+    reader = integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
+                                                                        **_fs_options(loc))
+    _same_retries(reader, loc)
+    return reader
 
 
 def _read_dcp_metadata(loc: Location, reader: Any) -> Any:

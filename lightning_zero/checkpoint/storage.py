@@ -80,8 +80,8 @@ def _join(*parts: str) -> str:
 
 S3_TIMEOUTS: dict[str, Any] = {
     "connect_timeout": 10,
-    "read_timeout": 60,
-    "retries": {"max_attempts": 4, "mode": "standard"},
+    "read_timeout": 30,
+    "retries": {"max_attempts": 3, "mode": "standard"},
 }
 """botocore settings every ``s3://`` location gets unless ``storage_options["config_kwargs"]`` sets them.
 
@@ -90,7 +90,8 @@ s3fs's own retries of timed-out calls let a save to an S3 endpoint that stopped 
 many minutes. "standard" retries back off with jitter on 5xx and throttling (``SlowDown``) and
 give up after ``max_attempts``; s3fs makes at most ``S3_CALL_ATTEMPTS`` attempts of a call that
 timed out (its default: 5). A dead endpoint then fails a call within about S3_CALL_ATTEMPTS *
-max_attempts * read_timeout in the worst case (frozen), within seconds when the connection is refused."""
+max_attempts * read_timeout (3 minutes) in the worst case (frozen), within seconds when the connection
+is refused; a failed ``sharded`` save makes about two such calls (DCP deletes its partial file)."""
 
 S3_CALL_ATTEMPTS = 2
 
