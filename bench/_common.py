@@ -73,3 +73,47 @@ def describe_machine() -> str:
 def load_average() -> str:
     """The 1/5/15-minute load average: other processes on the machine inflate timings."""
     return ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line (Linux only)")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    return _status_kib("VmRSS") * 1024
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back (glibc ``malloc_trim``), so a later RSS
+    delta is what is alive, not what the allocator kept."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the numbers are then upper bounds
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory above the start of a block: ``with PeakRSS() as peak: ...; peak.growth``.
+
+    Resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``, which sets VmHWM to
+    the current RSS) on entry and reads VmHWM on exit, so the peak of each phase is measured, not
+    computed, and a transient buffer freed before the block ends still counts.
+    """
+
+    def __enter__(self) -> PeakRSS:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        self.start = rss_bytes()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.peak = _status_kib("VmHWM") * 1024
+        self.growth = max(0, self.peak - self.start)

@@ -42,7 +42,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import BACKEND, describe_machine, load_average, run_on_ranks
+from _common import (
+    BACKEND,
+    PeakRSS,
+    describe_machine,
+    load_average,
+    release_free_memory,
+    rss_bytes,
+    run_on_ranks,
+)
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
@@ -62,7 +70,9 @@ MIB = 1024 * 1024
 # The targets. Every check below uses these names, so the printed report and the code agree.
 STATE_VS_EVEN_SHARE_TOLERANCE = 0.01
 MAX_BALANCE = 1.001
-MAX_ZERO2_VS_DDP = 1.25
+MAX_ZERO2_VS_DDP = 1.04
+MAX_STEP_PEAK_VS_PARAMS = 0.3
+"""The optimizer step's peak RSS above its start, as a fraction of the parameters' bytes."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,9 @@ class Method:
     def flush(self) -> None:
         """Called right after ``backward`` (our engine's reductions are waited for here)."""
 
+    def finish(self) -> None:
+        """Outside the timed loop: complete work a step left running (our overlapped gathers)."""
+
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer)
 
@@ -207,12 +220,16 @@ class ZeroMethod(Method):
     def __init__(self, model: GPT, settings: BenchSettings, stage: int) -> None:
         self.name = f"zero{stage}"
         inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-        config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True)
+        config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
+                            overlap_param_gather=True)
         self.engine = ZeroEngine(model, [inner], config)
         super().__init__(model, self.engine.optimizers[0])
 
     def flush(self) -> None:
         self.engine.ensure_flushed()
+
+    def finish(self) -> None:
+        self.engine.finish_param_gather()
 
     def master_bytes(self) -> int:
         # The allocated flat buffers, padding included: that is what the rank holds.
@@ -302,6 +319,9 @@ class MethodResult:
     grad_bytes: list[int]  # per rank, after backward
     shard_numel: list[int]  # per rank
     final_loss: float  # mean over ranks, last step
+    resident_bytes: list[int]  # per rank: RSS added by building the method and its first step
+    phase_peak_bytes: dict[str, list[int]]  # per phase, per rank: peak RSS above the phase's start
+    param_bytes: int  # the model's parameters (one copy)
     unsharded_state_bytes: int
     vs_ddp: float = float("nan")  # set once DDP's result is known
 
@@ -381,13 +401,24 @@ def slowest_rank_ms(phase_seconds: list[list[float]]) -> Tensor:
 
 
 def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: int, reference: GPT,
-                     timings: Tensor) -> MethodResult:
-    """One more, untimed step: what each rank holds after backward and after the step."""
-    loss = method.module(*batch)
-    loss.backward()
-    method.flush()
+                     timings: Tensor, resident: int) -> MethodResult:
+    """One more, untimed step: what each rank holds after backward and after the step, and the
+    measured peak RSS of each phase above the RSS at its start."""
+    peaks: dict[str, int] = {}
+    release_free_memory()
+    dist.barrier()
+    with PeakRSS() as peak:
+        loss = method.module(*batch)
+    peaks["forward"] = peak.growth
+    with PeakRSS() as peak:
+        loss.backward()
+        method.flush()
+    peaks["backward"] = peak.growth
     grad_bytes = method.grad_bytes()
-    method.optimizer.step()
+    with PeakRSS() as peak:
+        method.optimizer.step()
+        method.finish()  # an overlapped gather is billed to the step that launched it
+    peaks["step"] = peak.growth
     state_bytes, master_bytes, shard_numel = method.state_bytes(), method.master_bytes(), method.shard_numel()
     method.optimizer.zero_grad(set_to_none=True)
     loss_sum = loss.detach().clone()
@@ -404,14 +435,30 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
         shard_numel=gather_ints(shard_numel, world_size),
         final_loss=loss_sum.item() / world_size,
         unsharded_state_bytes=unsharded_state_bytes(reference, method.keeps_fp32_master),
+        resident_bytes=gather_ints(resident, world_size),
+        phase_peak_bytes={phase: gather_ints(peaks[phase], world_size) for phase in ("forward", "backward", "step")},
+        param_bytes=tensor_bytes(list(reference.parameters())),
     )
 
 
 def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[MethodResult]:
     """Runs on every rank: all methods, interleaved round by round ([Note: interleaving])."""
-    methods = {name: build_method(name, settings) for name in METHODS}
     rounds = settings.warmup_rounds + settings.timed_rounds
     batches = make_batches(settings, rank, rounds + 1)
+    methods: dict[str, Method] = {}
+    resident: dict[str, int] = {}
+    for name in METHODS:
+        # What a method keeps resident: its model, gradients, optimizer state and buffers after
+        # one step (the first warm-up step), as RSS growth in a process where the methods built
+        # before it are alive and their freed memory was handed back.
+        release_free_memory()
+        dist.barrier()
+        before = rss_bytes()
+        methods[name] = build_method(name, settings)
+        train_step(methods[name], batches[0])
+        methods[name].finish()
+        release_free_memory()
+        resident[name] = rss_bytes() - before
     phase_seconds: dict[str, list[list[float]]] = {name: [] for name in METHODS}
     for round_index in range(rounds):
         shift = round_index % len(METHODS)
@@ -426,7 +473,8 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     # An unwrapped copy: FSDP's module shows only this rank's shards of the parameters.
     reference = build_model(settings.model, settings.seed)
     return [
-        measure_holdings(methods[name], batches[rounds], world_size, reference, slowest_rank_ms(phase_seconds[name]))
+        measure_holdings(methods[name], batches[rounds], world_size, reference, slowest_rank_ms(phase_seconds[name]),
+                         resident[name])
         for name in METHODS
     ]
 
@@ -446,6 +494,62 @@ def results_table(results: list[MethodResult]) -> list[str]:
             f"| {r.state_balance:.4f} | {max(r.grad_bytes) / MIB:.2f} | {r.final_loss:.5f} |"
         )
     return lines
+
+
+MODEL_STATE_FORMULA = {
+    # (bytes per parameter that every rank holds in full, bytes per parameter divided over ranks)
+    # in the ZeRO paper's accounting (Rajbhandari et al. 2020, sec. 5: Psi params, K bytes of
+    # optimizer state per parameter), fp32: 4 B parameter, 4 B gradient, AdamW K = 8 B (+4 B master).
+    "ddp": (4 + 4 + 8, 0),  # baseline: everything replicated
+    "ddp+zero_redundancy": (4 + 4, 8),  # P_os
+    "zero1": (4 + 4, 8 + 4),  # P_os with an fp32 master (K = 12); see memory_note for the grads
+    "zero2": (4, 4 + 8 + 4),  # P_os+g
+    "fsdp_shard_grad_op": (4, 4 + 8),  # P_os+g (full parameters only from forward to backward)
+}
+FORMULA_TEXT = {
+    "ddp": "(4+4+8)Ψ", "ddp+zero_redundancy": "(4+4)Ψ + 8Ψ/N", "zero1": "(4+4)Ψ + 12Ψ/N",
+    "zero2": "4Ψ + 16Ψ/N", "fsdp_shard_grad_op": "4Ψ + 12Ψ/N",
+}
+
+
+def formula_bytes(method: str, numel: int, world_size: int) -> float:
+    replicated, sharded = MODEL_STATE_FORMULA[method]
+    return replicated * numel + sharded * numel / world_size
+
+
+def memory_table(results: list[MethodResult]) -> list[str]:
+    lines = [
+        "| world size | method | ZeRO-paper model states | formula MiB | resident MiB/rank (max) | resident / formula "
+        "| forward peak MiB | backward peak MiB | step peak MiB | step peak / param bytes |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        numel = r.param_bytes // 4
+        formula = formula_bytes(r.method, numel, r.world_size)
+        peak = {phase: max(v) for phase, v in r.phase_peak_bytes.items()}
+        lines.append(
+            f"| {r.world_size} | {r.method} | {FORMULA_TEXT[r.method]} | {formula / MIB:.1f} "
+            f"| {max(r.resident_bytes) / MIB:.1f} | {max(r.resident_bytes) / formula:.2f} "
+            f"| {peak['forward'] / MIB:.1f} | {peak['backward'] / MIB:.1f} | {peak['step'] / MIB:.1f} "
+            f"| {peak['step'] / r.param_bytes:.2f} |"
+        )
+    return lines
+
+
+MEMORY_NOTE = (
+    "Memory is measured, per rank, as resident set size (Linux /proc/self/status). *resident*: RSS"
+    " added by building the method (a fresh model) and running its first step, after `gc` and"
+    " `malloc_trim`, in the process where the methods built before it stay alive (the largest rank"
+    " shown). *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
+    " the start of the phase, minus the RSS at that start, in one extra untimed step; the step"
+    " phase includes finishing the overlapped parameter gathers. The formula is the ZeRO paper's"
+    " model-state accounting in fp32 (Ψ parameters, N ranks, AdamW's two moments = 8 B, plus 4 B"
+    " of fp32 master for zero1/zero2); it leaves out activations and communication buffers, which"
+    " the measurement includes (DDP keeps a gradient-sized set of bucket buffers besides `.grad`,"
+    " ZeRO keeps MAX_IN_FLIGHT bucket-sized slots). zero1 frees each full gradient once its"
+    " bucket is packed, so between steps it holds what zero2 holds; it differs in accumulation"
+    " (full gradients kept across micro-batches)."
+)
 
 
 def phase_table(results: list[MethodResult]) -> list[str]:
@@ -487,6 +591,21 @@ def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
                   f"{r.numel_balance:.5f} over {r.shard_numel}; ZeroRedundancyOptimizer"
                   f" {zero_redundancy.numel_balance:.5f} over {zero_redundancy.shard_numel}"),
         ]
+    return checks
+
+
+def step_memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    checks = []
+    for name in ("zero1", "zero2"):
+        r = by_name[name]
+        ratio = max(r.phase_peak_bytes["step"]) / r.param_bytes
+        checks.append(Check(
+            f"ws={r.world_size} {name}: optimizer step peak RSS growth <= {MAX_STEP_PEAK_VS_PARAMS}x the"
+            " parameters' bytes",
+            ratio <= MAX_STEP_PEAK_VS_PARAMS,
+            f"{ratio:.3f}x: {max(r.phase_peak_bytes['step']) / MIB:.1f} MiB for {r.param_bytes / MIB:.1f} MiB"
+            " of parameters",
+        ))
     return checks
 
 
@@ -584,7 +703,7 @@ def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[
         "zero1/zero2 run `ZeroEngine` in a plain loop (forward, backward, `engine.ensure_flushed()`,"
         " `opt.step()`, `opt.zero_grad()`), exactly what `ZeroLowLevelStrategy` does per step, so"
         " Lightning's loop overhead is not measured; bucket_size_mb"
-        f" {settings.bucket_size_mb}, overlap_communication=True. ddp = `DistributedDataParallel`"
+        f" {settings.bucket_size_mb}, overlap_communication=True, overlap_param_gather=True. ddp = `DistributedDataParallel`"
         " (Lightning `ddp`); ddp+zero_redundancy = the same with"
         " `ZeroRedundancyOptimizer(optimizer_class=AdamW)`; fsdp_shard_grad_op = FSDP"
         " `ShardingStrategy.SHARD_GRAD_OP`, one unit per block, `use_orig_params=True`.",
@@ -617,8 +736,15 @@ def report(settings: BenchSettings, results: list[MethodResult], checks: list[Ch
         "",
         COUNTING_NOTE,
         "",
+        "Memory per rank, measured, beside the ZeRO paper's formula for model states:",
+        "",
+        *memory_table(results),
+        "",
+        MEMORY_NOTE,
+        "",
         "Step-time breakdown (median ms of the slowest rank; *backward* includes the gradient"
-        " reductions that do not overlap, *step* the parameter all-gather or broadcast):",
+        " reductions that do not overlap, *step* the parameter all-gather or broadcast; zero1/zero2"
+        " overlap their gathers with the next *forward*, which waits for what it reads):",
         "",
         *phase_table(results),
         "",
@@ -673,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not partition_rule_matches(by_name["ddp+zero_redundancy"], settings.model):
             raise AssertionError("the computed ZeroRedundancyOptimizer partition differs from the measured one")
         results += world
-        checks += memory_checks(by_name) + speed_checks(by_name)
+        checks += memory_checks(by_name) + step_memory_checks(by_name) + speed_checks(by_name)
         infos.append(stage_comparison(by_name))
     loads.append(load_average())
     text = report(settings, results, checks, infos,

@@ -7,6 +7,9 @@ Run it through the package's CLI, from the repository root (``make demo`` does b
     # resume from the newest checkpoint on 3 processes (the optimizer state is resharded 2 -> 3)
     python -m lightning_zero fit --config configs/tiny_gpt.yaml --trainer.devices 3 \
         --trainer.max_steps 100 --ckpt_path last
+    # the held-out loss of a checkpoint (any mode, any number of processes)
+    python -m lightning_zero validate --config configs/tiny_gpt.yaml --trainer.devices 1 \
+        --ckpt_path runs/tiny_gpt/checkpoints/last.ckpt
     # two nodes (run on each node, NODE_RANK=0/1, MASTER_ADDR=<node 0>)
     python -m lightning_zero fit --config configs/tiny_gpt.yaml --trainer.num_nodes 2
 
@@ -60,11 +63,20 @@ class TinyGPT(LightningModule):
             x = block(x, mask)
         return self.head(self.norm(x))
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
         self.log("loss", loss, prog_bar=True)
         return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self.loss(batch), sync_dist=True)
 
     def configure_optimizers(self):  # noqa: ANN201
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
@@ -79,11 +91,14 @@ class TinyGPT(LightningModule):
 
 
 class PatternText(Dataset):
-    """Sequences from a fixed random permutation walk with 10% noise tokens."""
+    """Sequences from a fixed random permutation walk with 10% noise tokens; ``held_out`` draws
+    other sequences of the same language (for validation and test)."""
 
-    def __init__(self, vocab: int, context: int, size: int, seed: int = 0) -> None:
+    def __init__(self, vocab: int, context: int, size: int, seed: int = 0, held_out: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         successor = torch.randperm(vocab, generator=g)
+        if held_out:
+            g.manual_seed(seed + 1)
         starts = torch.randint(vocab, (size,), generator=g)
         seqs = torch.empty(size, context + 1, dtype=torch.long)
         seqs[:, 0] = starts
@@ -100,13 +115,23 @@ class PatternText(Dataset):
 
 
 class PatternData(LightningDataModule):
-    def __init__(self, vocab: int = 64, context: int = 32, size: int = 4096, batch_size: int = 16) -> None:
+    """Training sequences, and held-out ones of the same language for ``validate`` and ``test``."""
+
+    def __init__(self, vocab: int = 64, context: int = 32, size: int = 4096, batch_size: int = 16,
+                 eval_size: int = 128) -> None:
         super().__init__()
         self.save_hyperparameters()
 
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         return DataLoader(PatternText(hp.vocab, hp.context, hp.size), batch_size=hp.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(PatternText(hp.vocab, hp.context, hp.eval_size, held_out=True), batch_size=hp.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
 
 
 class PrintProgress(Callback):

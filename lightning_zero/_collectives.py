@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -20,6 +21,25 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 Work = Any  # torch.distributed.Work, or None when the call was synchronous
+
+
+def has_native_reduce_scatter(group: dist.ProcessGroup | None) -> bool:
+    """False where reduce-scatter is an all-reduce plus a copy (gloo: [Note: gloo reduce-scatter]
+    in buckets.py), so callers all-reduce in place there instead."""
+    return "gloo" not in dist.get_backend(group)
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take: its accelerator (the current one)
+    if it serves one, else the CPU. For fallbacks only; tensors normally follow the parameters."""
+    types = [t for t in dist.distributed_c10d._device_capability(group) if t != "cpu"]
+    if not types:
+        return torch.device("cpu")
+    module = getattr(torch, types[0], None)
+    if module is not None and hasattr(module, "is_available") and module.is_available():
+        return torch.device(types[0], module.current_device())
+    # Registered for an accelerator this process cannot use (the fake backend on a CPU host).
+    return torch.device("cpu")
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Work:

@@ -78,19 +78,20 @@ class _LinkAfterCommit:
         trainer.strategy.barrier()
 
 
-def _setup_allowing_remote_link(callback: ModelCheckpoint) -> Any:
+class _SetupAllowingRemoteLink:
     """The callback's ``setup`` without Lightning's "link only on local paths" refusal, which
-    :class:`_LinkAfterCommit` makes unnecessary."""
-    original = type(callback).setup
+    :class:`_LinkAfterCommit` makes unnecessary. Picklable, like the lookup above (a closure is not:
+    spawned and forkserver workers receive the callback by pickling)."""
 
-    def setup(trainer: Any, pl_module: Any, stage: str) -> None:
-        callback.save_last = True
+    def __init__(self, callback: ModelCheckpoint) -> None:
+        self.callback = callback
+
+    def __call__(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.callback.save_last = True
         try:
-            original(callback, trainer, pl_module, stage)
+            type(self.callback).setup(self.callback, trainer, pl_module, stage)
         finally:
-            callback.save_last = "link"
-
-    return setup
+            self.callback.save_last = "link"
 
 
 def fix_link_last(trainer: Any) -> None:
@@ -104,7 +105,7 @@ def fix_link_last(trainer: Any) -> None:
             callback.__dict__.get("_link_checkpoint"), _LinkAfterCommit
         ):
             callback._link_checkpoint = _LinkAfterCommit(callback)  # type: ignore[method-assign]
-            callback.setup = _setup_allowing_remote_link(callback)  # type: ignore[method-assign]
+            callback.setup = _SetupAllowingRemoteLink(callback)  # type: ignore[method-assign]
 
 
 def install_checkpoint_reader() -> None:

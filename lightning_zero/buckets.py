@@ -1,8 +1,10 @@
-"""Gradient buckets: per-parameter shards, backward hooks and the async reductions.
+"""Buckets: per-parameter shards, the backward reductions and the parameter all-gathers.
 
 Granularity follows FSDP2: a :class:`ShardedParam` owns one parameter's shard on this rank,
-a :class:`GradBucket` owns a group of parameters that communicate together, and the
-:class:`GradReducer` owns the hooks and the launch order. The collectives themselves are the
+a :class:`GradBucket` owns a group of parameters that communicate together, the
+:class:`GradReducer` owns the backward hooks and the reduction order, and the
+:class:`ParamGatherer` owns the all-gathers after the step and their order. Both borrow their
+full-size communication buffers from one :class:`BufferPool`. The collectives themselves are the
 stateless functions in :mod:`lightning_zero._collectives`.
 
 [Note: bucket layout] A bucket's communication buffer is ``[world_size, row_numel + k]``:
@@ -12,6 +14,14 @@ flags. Every rank writes 1 into the flag column of each parameter it has a gradi
 every row, so after the reduction every rank holds, per parameter, how many ranks produced a
 gradient. That tells all ranks, without a collective of its own, which parameters got no
 gradient anywhere (layer drop) and must be left untouched by the optimizer.
+
+[Note: presence on the device] The flags are written on the device (a ``fill_`` per parameter,
+no host-to-device copy) and the reduced counts are added, in place, to one persistent device
+vector per device. Nothing is read back during backward: every parameter of a communicating bucket
+provisionally gets its shard gradient as ``master.grad`` (zeros where no rank had one, so a
+GradScaler's unscale and an inf check see only zeros), and :meth:`GradReducer.resolve_presence`
+reads the counts once per step, at clipping or at the step, and takes ``.grad`` away from
+parameters no rank produced a gradient for, before the inner optimizer looks at them.
 
 [Note: launch order] Bucket membership and order are fixed at setup (parameters in reverse
 registration order, the usual order gradients arrive in). A bucket is launched when all its
@@ -24,14 +34,38 @@ hangs reported against other ZeRO implementations (PyTorch #158719, DeepSpeed #7
 thread, all-reduces the clone and copies out one chunk: measured on 2 CPU ranks with 40 MB, 57 ms
 against 31 ms for an in-place all-reduce of the same buffer (BENCHMARKS.md). On gloo, stage 2
 therefore all-reduces its packed buffer in place and keeps its row, which moves the same bytes
-gloo would move anyway; on NCCL it uses the real reduce-scatter (half the bytes of an all-reduce).
-Either way the full gradients are freed at packing and only the fp32 shard outlives the bucket.
+gloo would move anyway; on backends with a native reduce-scatter (NCCL) both stages use it (half
+the bytes of an all-reduce: stage 1 needs only its row too). Either way the full gradients are
+freed at packing and only the fp32 shard outlives the bucket.
+
+[Note: buffer pool] A bucket's ``[world_size, row_numel + k]`` buffer lives only from packing
+until its reduction is folded into the shard, and a gathered ``[world_size, row_numel]`` buffer
+only until it is copied into the parameters. At most ``MAX_IN_FLIGHT`` of either exist at once, so
+they are slots of a :class:`BufferPool`: ``MAX_IN_FLIGHT`` flat allocations per device, each grown
+to the largest bucket once and reused by every backward and every step (no allocation, page faults
+or allocator fragmentation on the hot path). Reductions and gathers never overlap in time (the
+gathers are finished before the first reduction of a backward, the reductions before the step), so
+they share the slots. A slot is reused only after the collective that used it was waited for.
+
+[Note: gather overlap] After the step, :class:`ParamGatherer` launches the buckets' all-gathers in
+*forward* order (the reverse of the reduction order: the first layers' parameters come first), at
+most ``MAX_IN_FLIGHT`` at a time. Reading a parameter through its module waits for the gathers, in
+launch order, up to that parameter's bucket, launching the next ones as slots free up ([Note:
+guarded parameter reads] in engine.py): Megatron's ``overlap_param_gather``, where a forward
+pre-hook waits for a module's buckets. Iterating parameters (``state_dict``, ``parameters()``)
+finishes the whole queue, and so do the first gradient hook of the next backward (so a rank whose
+forward skipped a layer still completes its gathers before it issues any reduction), the next
+step, clipping, :meth:`ZeroEngine.finish_param_gather` and ``close``. The gathers run on a process
+group of their own (:func:`lightning_zero.engine._gather_group`), so the position of other
+collectives (a ``sync_dist`` log, SyncBatchNorm) relative to them never matters: every rank issues
+the same gathers in the same order, only the moment differs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,29 +75,68 @@ from torch import Tensor, nn
 from lightning_zero import _collectives as comm
 from lightning_zero.sharding import EvenShard
 
+MAX_IN_FLIGHT = 2
+"""Full-size bucket buffers (reductions or gathers) alive at once; see [Note: buffer pool]."""
+
 
 def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """fp32 master copies for low-precision parameters; float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class BufferPool:
+    """``slots`` reusable flat buffers per device ([Note: buffer pool])."""
+
+    def __init__(self, slots: int = MAX_IN_FLIGHT) -> None:
+        self.slots = slots
+        self._storage: dict[tuple[torch.device, int], Tensor] = {}  # 1D uint8
+        self._busy: set[tuple[torch.device, int]] = set()
+
+    def take(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1D ``dtype`` view of ``numel`` elements of slot ``slot`` (growing it if needed)."""
+        key = (device, slot % self.slots)
+        assert key not in self._busy, f"buffer slot {key} taken twice: a collective would overwrite it"
+        nbytes = numel * dtype.itemsize
+        if key not in self._storage or self._storage[key].numel() < nbytes:
+            # The smaller allocation is freed before the bigger one is made; slots grow to the
+            # largest bucket during the first backward and step, then stay.
+            self._storage.pop(key, None)
+            self._storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._busy.add(key)
+        return self._storage[key][:nbytes].view(dtype)
+
+    def give_back(self, slot: int, device: torch.device) -> None:
+        self._busy.discard((device, slot % self.slots))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds now (what the bounded-memory checks read)."""
+        return sum(t.numel() for t in self._storage.values())
+
+    def clear(self) -> None:
+        """Drop every slot (engine close; callers have waited for their collectives)."""
+        self._storage.clear()
+        self._busy.clear()
+
+
 class ShardedParam:
     """One model parameter's even shard on this rank."""
 
     def __init__(self, fqn: str, param: nn.Parameter, layout: EvenShard, rank: int,
-                 bucket: GradBucket, offset: int) -> None:
+                 bucket: GradBucket, offset: int, flag_index: int) -> None:
         self.fqn = fqn
         self.param = param  # ND: the model's own full parameter
         self.layout = layout
         self.rank = rank
         self.bucket = bucket
         self.offset = offset  # where this parameter's chunk starts inside a bucket row
+        self.flag_index = flag_index  # its presence flag's column after the bucket's rows
         n = layout.shard_numel(rank)
         # 1D views into the bucket's flat buffers, real elements only (the padding is not
         # the optimizer's business and is never written).
         self.master = nn.Parameter(bucket.master_shard[offset : offset + n])
         self.grad_shard = bucket.grad_shard[offset : offset + n]
-        self.has_grad = False  # some rank produced a gradient since the last zero_grad
+        self.has_grad = False  # some rank produced a gradient since the last zero_grad (host view)
         self.reported = False  # this rank's hook fired in the current backward
         self.load_master_from(param.detach())
 
@@ -80,6 +153,11 @@ class ShardedParam:
     def shard_numel(self) -> int:
         return self.master.numel()
 
+    @property
+    def present_count(self) -> Tensor:
+        """0-dim device view: ranks that produced a gradient since the last resolve (reduced)."""
+        return self.bucket.present_count[self.flag_index]
+
     def rows(self, buffer: Tensor) -> Tensor:
         """This parameter's ``[world_size, chunk]`` column block of a bucket buffer."""
         return buffer[:, self.offset : self.offset + self.layout.chunk]
@@ -89,7 +167,8 @@ class GradBucket:
     """Parameters that reduce and all-gather together, with this rank's flat shard buffers."""
 
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]],
-                 world_size: int, rank: int, communicates: bool = True) -> None:
+                 world_size: int, rank: int, communicates: bool = True,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.index = index
         self.world_size = world_size
         self.rank = rank
@@ -97,34 +176,41 @@ class GradBucket:
         first = named_params[0][1]
         self.dtype = first.dtype
         self.device = first.device
+        self.reduce_dtype = reduce_dtype or self.dtype  # what gradients are summed in
+        self.gather_position = -1  # set by ParamGatherer: place in the forward-order gather queue
         layouts = [EvenShard(p.numel(), world_size) for _, p in named_params]
         offsets = [sum(layout.chunk for layout in layouts[:i]) for i in range(len(layouts))]
         self.row_numel = sum(layout.chunk for layout in layouts)
         master_dtype = master_dtype_for(self.dtype)
         self.master_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
         self.grad_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
+        # Replaced by a view into the reducer's per-device vector ([Note: presence on the device]).
+        self.present_count = torch.zeros(len(named_params), dtype=torch.float32, device=self.device)  # 1D
         self.params = [
-            ShardedParam(fqn, param, layout, rank, self, offset)
-            for (fqn, param), layout, offset in zip(named_params, layouts, offsets)
+            ShardedParam(fqn, param, layout, rank, self, offset, j)
+            for j, ((fqn, param), layout, offset) in enumerate(zip(named_params, layouts, offsets))
         ]
         self.reported = 0
         self.pending: _PendingReduce | None = None
 
+    @property
+    def reduce_numel(self) -> int:
+        """Elements of one row of the reduction buffer: the chunks, then one flag per parameter."""
+        return self.row_numel + len(self.params)
+
     # ---- reduction ---------------------------------------------------------------------
 
-    def pack_gradients(self) -> Tensor:
-        """Move every present gradient into a fresh ``[ws, row_numel + k]`` buffer and free it."""
-        k = len(self.params)
-        # Not zero-filled: every element is written below (padding zeroed per parameter), which
-        # saves a pass over the whole buffer each backward.
-        buffer = torch.empty(self.world_size, self.row_numel + k, dtype=self.dtype, device=self.device)
-        present = []
-        for sp in self.params:
+    def pack_gradients(self, buffer: Tensor) -> None:
+        """Move every present gradient into ``buffer`` (``[ws, reduce_numel]``) and free it."""
+        # Every element is written below (padding zeroed per parameter), so the pooled buffer
+        # needs no zero-fill pass; flags are device fills, never a host-to-device copy.
+        flags = buffer[:, self.row_numel :]
+        for j, sp in enumerate(self.params):
             grad = sp.param.grad
             rows = sp.rows(buffer)
             if grad is None:
                 rows.zero_()  # no gradient here: zeros in the sum (DESIGN.md, layer drop)
-                present.append(0.0)
+                flags[:, j].zero_()
                 continue
             if grad.is_sparse:
                 raise ValueError(
@@ -132,52 +218,64 @@ class GradBucket:
                     " evenly. Use dense gradients (e.g. nn.Embedding(sparse=False))."
                 )
             comm.copy_flat_to_rows(rows, grad.reshape(-1), sp.layout, zero_padding=True)
-            present.append(1.0)
-            # The full gradient dies here: stage 2 keeps only the reduced shard, and stage 1
-            # holds the packed copy, so no rank keeps two full gradients alive.
+            flags[:, j].fill_(1.0)
+            # The full gradient dies here: only the packed copy (a pooled slot) lives until the
+            # reduction, so no rank keeps two full gradients alive.
             sp.param.grad = None
-        buffer[:, self.row_numel :] = torch.tensor(present, dtype=self.dtype, device=self.device)
         if self.predivide:
             buffer[:, : self.row_numel].div_(self.world_size)
-        return buffer
 
     @property
     def predivide(self) -> bool:
         """Average as a SUM of pre-divided values only where the SUM could overflow (fp16);
         otherwise divide the reduced shard, 1/world_size of the data (ReduceOp.AVG is not on
         every backend)."""
-        return self.world_size > 1 and self.dtype == torch.float16
+        return self.world_size > 1 and self.reduce_dtype == torch.float16
 
-    def launch_reduce(self, reduce_scatter: bool, group: dist.ProcessGroup | None, async_op: bool) -> None:
-        """``reduce_scatter``: leave only this rank's row (stage 2 on NCCL); otherwise all-reduce
-        the buffer and take the row (stage 1, and stage 2 on gloo: see [Note: gloo reduce-scatter])."""
+    def launch_reduce(self, pool: BufferPool, slot: int, reduce_scatter: bool,
+                      group: dist.ProcessGroup | None, async_op: bool) -> None:
+        """``reduce_scatter``: leave only this rank's row (native reduce-scatter backends); otherwise
+        all-reduce the buffer in place and take the row (gloo: see [Note: gloo reduce-scatter])."""
         assert self.pending is None, f"bucket {self.index} launched twice in one backward"
-        buffer = self.pack_gradients()
+        n = self.reduce_numel
+        # The reduce-scatter output sits in the same slot, after the input.
+        flat = pool.take(slot, n * (self.world_size + (1 if reduce_scatter else 0)), self.reduce_dtype,
+                         self.device)
+        buffer = flat[: n * self.world_size].view(self.world_size, n)
+        try:
+            self.pack_gradients(buffer)
+        except BaseException:
+            pool.give_back(slot, self.device)  # a rejected gradient must not leak the slot
+            raise
         if reduce_scatter:
-            output = torch.empty(self.row_numel + len(self.params), dtype=self.dtype, device=self.device)
+            output = flat[n * self.world_size :]
             work = comm.reduce_scatter(output, buffer.view(-1), group, async_op)
         else:
             work = comm.all_reduce(buffer, group, async_op)
             output = buffer[self.rank]
-        self.pending = _PendingReduce(work, buffer, output)
+        self.pending = _PendingReduce(work, output, slot)
 
-    def finish_reduce(self) -> Tensor:
-        """Wait for the reduction, add it to the fp32 shard gradient; return the flag counts."""
+    def finish_reduce(self, pool: BufferPool) -> None:
+        """Wait for the reduction, add it to the fp32 shard gradient and the presence counts."""
         assert self.pending is not None
         pending, self.pending = self.pending, None
         if pending.work is not None:
             pending.work.wait()
         scale = 1.0 if self.predivide or self.world_size == 1 else 1.0 / self.world_size
         self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
-        return pending.output[self.row_numel :].clone()  # the buffer itself is released here
+        self.present_count.add_(pending.output[self.row_numel :])
+        pool.give_back(pending.slot, self.device)  # the full-size buffer is free from here
 
     # ---- parameter all-gather ----------------------------------------------------------
 
-    def launch_all_gather(self, group: dist.ProcessGroup | None, async_op: bool) -> _PendingGather:
+    def launch_all_gather(self, pool: BufferPool, slot: int, group: dist.ProcessGroup | None,
+                          async_op: bool) -> _PendingGather:
+        # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
+        # be finished before the next inner step writes it (ParamGatherer.finish in the step).
         gather_input = self.master_shard.to(self.dtype)
-        gathered = torch.empty(self.world_size, self.row_numel, dtype=self.dtype, device=self.device)
-        work = comm.all_gather(gathered.view(-1), gather_input, group, async_op)
-        return _PendingGather(self, work, gathered)
+        gathered = pool.take(slot, self.world_size * self.row_numel, self.dtype, self.device)
+        work = comm.all_gather(gathered, gather_input, group, async_op)
+        return _PendingGather(self, work, gathered.view(self.world_size, self.row_numel), gather_input, slot)
 
     def reset_backward(self) -> None:
         self.reported = 0
@@ -188,41 +286,117 @@ class GradBucket:
 @dataclass
 class _PendingReduce:
     work: comm.Work
-    buffer: Tensor  # kept alive until the collective completes
-    output: Tensor
+    output: Tensor  # this rank's row (in the pooled slot), flags after the chunks
+    slot: int
 
 
 @dataclass
 class _PendingGather:
     bucket: GradBucket
     work: comm.Work
-    gathered: Tensor  # [world_size, row_numel]
+    gathered: Tensor  # [world_size, row_numel], a pooled slot
+    gather_input: Tensor  # kept alive until the collective completes
+    slot: int
 
-    def finish(self) -> None:
+    def finish(self, pool: BufferPool) -> None:
         if self.work is not None:
             self.work.wait()
         with torch.no_grad():
             for sp in self.bucket.params:
                 comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)
+        pool.give_back(self.slot, self.bucket.device)
 
 
-MAX_IN_FLIGHT = 2
-"""Bucket reductions outstanding at once (see ``GradReducer._launch_next``)."""
+class ParamGatherer:
+    """The all-gathers after the step, in forward order, bounded, finished on demand.
+
+    See [Note: gather overlap]. ``start`` queues buckets and launches the first
+    ``MAX_IN_FLIGHT``; ``wait_for(position)`` finishes every queued bucket up to that forward
+    position (a module's forward pre-hook); ``finish`` empties the queue. All are no-ops when
+    nothing is queued, so callers can call them freely.
+    """
+
+    def __init__(self, buckets: Sequence[GradBucket], group: dist.ProcessGroup | None,
+                 pool: BufferPool, async_op: bool) -> None:
+        # Forward order: buckets were built in backward (reverse registration) order.
+        self.order = list(reversed(buckets))
+        for position, bucket in enumerate(self.order):
+            bucket.gather_position = position
+        self.group = group
+        self.pool = pool
+        self.async_op = async_op
+        self._queue: list[GradBucket] = []
+        self._next_launch = 0
+        self._in_flight: deque[_PendingGather] = deque()
+        self.launch_hook: Callable[[ParamGatherer], None] | None = None
+        """Called after every launch (tests and benchmarks watch the in-flight bound with it)."""
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._in_flight) or self._next_launch < len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def start(self, buckets: Iterable[GradBucket]) -> None:
+        """Queue ``buckets`` (in forward order, the same on every rank) and launch the first ones."""
+        self.finish()  # an older round first: its buffers and its order come before ours
+        wanted = set(buckets)
+        self._queue = [b for b in self.order if b in wanted]
+        self._next_launch = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._next_launch < len(self._queue) and len(self._in_flight) < self.pool.slots:
+            bucket = self._queue[self._next_launch]
+            self._in_flight.append(bucket.launch_all_gather(self.pool, self._next_launch, self.group,
+                                                            self.async_op))
+            self._next_launch += 1
+            if self.launch_hook is not None:
+                self.launch_hook(self)
+
+    def wait_for(self, position: int) -> None:
+        """Finish, in launch order, every queued gather of a bucket at ``position`` or before."""
+        while self._in_flight and self._in_flight[0].bucket.gather_position <= position:
+            self._in_flight.popleft().finish(self.pool)
+            self._fill()
+        if not self.pending:
+            self._queue = []
+
+    def finish(self) -> None:
+        if self.pending:
+            self.wait_for(len(self.order))
 
 
 class GradReducer:
     """Backward hooks that launch the bucket reductions, in a fixed order, and their flush."""
 
     def __init__(self, buckets: Sequence[GradBucket], stage: int, group: dist.ProcessGroup | None,
-                 overlap_communication: bool) -> None:
+                 overlap_communication: bool, pool: BufferPool,
+                 before_first_reduction: Callable[[], None] = lambda: None) -> None:
         self.buckets = [b for b in buckets if b.communicates]
         self.stage = stage
         self.group = group
         self.async_op = overlap_communication
-        self.reduce_scatter = stage == 2 and dist.get_backend(group) != "gloo"
+        self.pool = pool
+        self.before_first_reduction = before_first_reduction  # finishes pending parameter gathers
+        self.reduce_scatter = comm.has_native_reduce_scatter(group)
+        # One presence vector per device; each bucket's flags are a view ([Note: presence on the device]).
+        by_device: dict[torch.device, list[GradBucket]] = {}
+        for bucket in self.buckets:
+            by_device.setdefault(bucket.device, []).append(bucket)
+        self._presence: list[tuple[Tensor, list[GradBucket]]] = []
+        for device, members in by_device.items():
+            vector = torch.zeros(sum(len(b.params) for b in members), dtype=torch.float32, device=device)  # 1D
+            start = 0
+            for bucket in members:
+                bucket.present_count = vector[start : start + len(bucket.params)]
+                start += len(bucket.params)
+            self._presence.append((vector, members))
+        self._presence_stale = False
         self._next_launch = 0
         self._next_finish = 0
-        self._counts: list[Tensor] = []
         self._callback_queued = False
         self._flushed = False
         self._sync_enabled = True
@@ -255,6 +429,7 @@ class GradReducer:
             # Flush at the end of *this* backward, not at the step (DESIGN.md).
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self._callback_queued = True
+            self.before_first_reduction()
         bucket = sp.bucket
         if bucket.pending is not None:
             raise RuntimeError(
@@ -272,16 +447,16 @@ class GradReducer:
             self._launch_next()
 
     def _launch_next(self) -> None:
-        self.buckets[self._next_launch].launch_reduce(self.reduce_scatter, self.group, self.async_op)
-        self._next_launch += 1
-        # At most MAX_IN_FLIGHT packed buffers (each a full-size gradient slice) live at once:
-        # one reduction runs behind the one being filled, and older ones are folded into the
-        # fp32 shard and freed, so a full gradient never outlives its bucket for long.
-        while self._next_launch - self._next_finish > MAX_IN_FLIGHT:
+        # Fold the oldest reduction into its shard first, so at most MAX_IN_FLIGHT packed buffers
+        # (full-size gradient slices) exist even while the next one is being packed.
+        while self._next_launch - self._next_finish >= self.pool.slots:
             self._finish_next()
+        self.buckets[self._next_launch].launch_reduce(self.pool, self._next_launch, self.reduce_scatter,
+                                                      self.group, self.async_op)
+        self._next_launch += 1
 
     def _finish_next(self) -> None:
-        self._counts.append(self.buckets[self._next_finish].finish_reduce())
+        self.buckets[self._next_finish].finish_reduce(self.pool)
         self._next_finish += 1
 
     def finish_backward(self) -> None:
@@ -289,21 +464,34 @@ class GradReducer:
         self._callback_queued = False
         if not self._sync_enabled:
             return
+        self.before_first_reduction()  # a no-op unless no hook fired (ensure_flushed)
         while self._next_launch < len(self.buckets):
             self._launch_next()
         while self._next_finish < len(self.buckets):
             self._finish_next()
-        counts, self._counts = self._counts, []
-        present = torch.cat(counts).gt(0).tolist() if counts else []  # one host sync per backward
-        flat = (sp for bucket in self.buckets for sp in bucket.params)
-        for sp, got in zip(flat, present):
-            sp.has_grad = sp.has_grad or got
-            sp.master.grad = sp.grad_shard if sp.has_grad else None
+        # Provisional until resolve_presence: see [Note: presence on the device].
         for bucket in self.buckets:
+            for sp in bucket.params:
+                sp.master.grad = sp.grad_shard
             bucket.reset_backward()
+        self._presence_stale = True
         self._next_launch = 0
         self._next_finish = 0
         self._flushed = True
+
+    def resolve_presence(self) -> None:
+        """Read the reduced presence counts (one device-to-host copy per device, at most once per
+        step) and drop ``master.grad`` of parameters that got no gradient on any rank."""
+        if not self._presence_stale:
+            return
+        self._presence_stale = False
+        for vector, members in self._presence:
+            present = vector.gt(0).tolist()
+            vector.zero_()
+            flat = (sp for bucket in members for sp in bucket.params)
+            for sp, got in zip(flat, present, strict=True):
+                sp.has_grad = sp.has_grad or got
+                sp.master.grad = sp.grad_shard if sp.has_grad else None
 
     def ensure_flushed(self) -> None:
         """Called after each backward: flush if no hook fired on this rank (nothing to reduce

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+import jsonargparse
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_zero  # noqa: F401  (registers the "zero1"/"zero2" strategy names)
@@ -25,17 +26,22 @@ def run_cli(args: list[str] | None = None) -> LightningCLI:
     # script, unlike `python -m`, does not put the working directory on the import path.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # "omegaconf+" resolves `${...}` once the command line is applied, so that
+    # `--trainer.default_root_dir runs/b` also moves `${trainer.default_root_dir}/checkpoints` ("omegaconf"
+    # resolves each YAML file alone, before the overrides). Its paths start at the subcommand's root
+    # (`fit.trainer...`); the setting reads the configs' `${trainer...}` relative to it.
+    jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf+"},
         save_config_kwargs={"overwrite": True},
         args=args,
     )
 
 
 def convert_main(args: list[str]) -> int:
-    from lightning_zero.checkpoint import convert
+    from lightning_zero.checkpoint import CheckpointCorruptError, CheckpointNotFoundError, convert
 
     parser = argparse.ArgumentParser(
         prog="lightning-zero convert",
@@ -48,7 +54,13 @@ def convert_main(args: list[str]) -> int:
     parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
     options = parser.parse_args(args)
-    written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+    try:
+        written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+    except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError) as exc:
+        # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
+        # message names the fix, a traceback would bury it.
+        print(f"lightning-zero convert: error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {written}")
     return 0
 

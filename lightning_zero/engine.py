@@ -18,14 +18,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.buckets import GradBucket, GradReducer, ShardedParam
+from lightning_zero import _collectives as comm
+from lightning_zero.buckets import BufferPool, GradBucket, GradReducer, ParamGatherer, ShardedParam
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.sharding import assign_buckets
 
@@ -38,16 +39,59 @@ class ZeroConfig:
 
     stage: Literal[1, 2] = 2
     """1: shard optimizer state, all-reduce gradients. 2: also shard gradients (reduce-scatter)."""
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float | None = None
     """Gradient bucket capacity in MiB of the parameters' dtype; larger buckets mean fewer,
-    bigger collectives, smaller ones start communicating earlier in backward."""
+    bigger collectives, smaller ones start communicating earlier in backward. None: scale with
+    the world size (:func:`default_bucket_numel`)."""
     overlap_communication: bool = True
     """Run reductions asynchronously while backward goes on."""
+    overlap_param_gather: bool = True
+    """Leave the parameter all-gathers of a step running into the next forward, where each
+    module waits for its own buckets ([Note: gather overlap] in buckets.py). False: every
+    gather is finished before ``step`` returns."""
+    reduce_dtype: torch.dtype | str | None = None
+    """The dtype gradients are reduced in (e.g. ``torch.float32`` under bf16 parameters, as
+    FSDP's ``MixedPrecisionPolicy.reduce_dtype``); a name such as ``"float32"`` is accepted (YAML).
+    None: the parameters' dtype."""
 
     def __post_init__(self) -> None:
         validate_stage(self.stage)
-        if not self.bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+        if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0 (or None to scale with the world size), got"
+                             f" {self.bucket_size_mb}")
+        object.__setattr__(self, "reduce_dtype", _parse_dtype(self.reduce_dtype))
+
+    def bucket_numel(self, world_size: int, element_size: int) -> int:
+        """Bucket capacity in elements of ``element_size`` bytes at ``world_size`` ranks."""
+        if self.bucket_size_mb is None:
+            return default_bucket_numel(world_size, element_size)
+        return max(1, int(self.bucket_size_mb * _MB) // element_size)
+
+
+DEFAULT_BUCKET_MB = 25.0
+"""The bucket floor: DDP's default, fine-grained enough to overlap backward at small world sizes."""
+MIN_CHUNK_NUMEL = 1_000_000
+"""Elements per rank per bucket below which a reduce-scatter/all-gather step is latency-bound."""
+
+
+def default_bucket_numel(world_size: int, element_size: int) -> int:
+    """``max(25 MiB, 1M elements x world_size)``: each rank's chunk of a bucket stays at least 1M
+    elements however many ranks share it (Megatron: ``max(40M, 1M x dp)``), so at hundreds of
+    ranks a collective is not ``world_size`` tiny latency-bound steps. The pool's memory is
+    ``MAX_IN_FLIGHT`` such buckets."""
+    return max(int(DEFAULT_BUCKET_MB * _MB) // element_size, MIN_CHUNK_NUMEL * world_size)
+
+
+def _parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        dtype = getattr(torch, str(value).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"reduce_dtype {value!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'.")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"reduce_dtype must be a floating-point dtype, got {dtype}; use e.g. torch.float32.")
+    return dtype
 
 
 def validate_stage(stage: object) -> None:
@@ -74,31 +118,41 @@ class ZeroEngine:
         named = _optimized_params(module, optimizers)
         _broadcast_module_states(module, group)
 
+        self.device = _module_device(module, group)
         # Launch order: reverse registration order, the usual order gradients arrive in.
         trainable = [(fqn, p) for fqn, p in reversed(named) if p.requires_grad]
         frozen = [(fqn, p) for fqn, p in named if not p.requires_grad]
         self.buckets: list[GradBucket] = []
         for members in _group_by_dtype_and_device(trainable):
-            capacity = max(1, int(config.bucket_size_mb * _MB) // members[0][1].element_size())
+            capacity = config.bucket_numel(self.world_size, members[0][1].element_size())
             for indices in assign_buckets([p.numel() for _, p in members], self.world_size, capacity):
                 self.buckets.append(GradBucket(len(self.buckets), [members[i] for i in indices],
-                                               self.world_size, self.rank))
+                                               self.world_size, self.rank, reduce_dtype=config.reduce_dtype))
         for members in _group_by_dtype_and_device(frozen):
             self.buckets.append(GradBucket(len(self.buckets), members, self.world_size, self.rank,
                                            communicates=False))
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
-        self.reducer = GradReducer(self.buckets, config.stage, group, config.overlap_communication)
+        self.pool = BufferPool()
+        self.gather_group = _gather_group(group, config, self.world_size)
+        self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication)
+        self.reducer = GradReducer(self.buckets, config.stage, group, config.overlap_communication, self.pool,
+                                   before_first_reduction=self.finish_param_gather)
         self.optimizers = [
             ZeroOptimizer(
                 opt,
                 [self.sharded_params[p] for g in opt.param_groups for p in g["params"]],
                 group,
-                config.overlap_communication,
+                self.reducer,
+                self.gatherer,
+                self.device,
+                config.overlap_param_gather,
             )
             for opt in optimizers
         ]
+        self._guarded = _guard_parameter_reads(module, self.sharded_params, self.gatherer) \
+            if config.overlap_param_gather else []
 
     @property
     def optimizer_shard_numel(self) -> int:
@@ -113,9 +167,19 @@ class ZeroEngine:
     def ensure_flushed(self) -> None:
         self.reducer.ensure_flushed()
 
+    def finish_param_gather(self) -> None:
+        """Finish every pending parameter all-gather, so the model holds the updated weights.
+
+        Reads through the module (attribute access, ``parameters()``, ``state_dict()``: see
+        [Note: guarded parameter reads]), the next backward and the next step call this
+        themselves; call it before reading a parameter through a reference taken before the
+        step. Idempotent, and a cheap no-op when nothing is pending."""
+        self.gatherer.finish()
+
     @torch.no_grad()
     def refresh_masters_from_params(self) -> None:
         """Re-read the master shards from the model (after the model's weights were loaded)."""
+        self.finish_param_gather()  # a late gather must not overwrite the loaded weights
         for sp in self.sharded_params.values():
             sp.load_master_from(sp.param.detach())
 
@@ -129,11 +193,15 @@ class ZeroEngine:
         ranks, so all ranks skip a step together and back off the scale together."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        device = self.buckets[0].device.type if self.buckets else "cpu"
-        return ShardedGradScaler(device=device, init_scale=init_scale, process_group=self.group, **kwargs)
+        return ShardedGradScaler(device=self.device.type, init_scale=init_scale, process_group=self.group, **kwargs)
 
     def close(self) -> None:
+        """Finish pending gathers, remove every hook and free the communication buffers."""
+        self.finish_param_gather()
         self.reducer.remove_hooks()
+        _unguard_parameter_reads(self._guarded)
+        self._guarded = []
+        self.pool.clear()
 
 
 def _optimized_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[tuple[str, nn.Parameter]]:
@@ -188,3 +256,97 @@ def _broadcast_module_states(module: nn.Module, group: dist.ProcessGroup | None)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _module_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.device:
+    """Where the engine's own small tensors go when no bucket says: the module's device, or the
+    process group's for a module without tensors (never an assumed CPU)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return comm.group_device(group)
+
+
+def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_size: int) -> dist.ProcessGroup | None:
+    """The process group the parameter all-gathers run on ([Note: gather overlap] in buckets.py).
+
+    With ``overlap_param_gather`` the gathers are issued whenever a forward gets to them, which
+    differs between ranks whose forwards differ (a skipped layer); any other collective on the
+    same group in between (a ``sync_dist`` log, SyncBatchNorm) would then be matched against a
+    gather on another rank. A group of the same ranks for the gathers alone keeps both sequences
+    identical on every rank. ``new_group`` is collective over the default group: the engine is
+    built on every rank, as the strategy does.
+    """
+    if not config.overlap_param_gather or world_size == 1:
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+
+
+class _GuardedParameters(dict):  # type: ignore[type-arg]
+    """A module's ``_parameters`` that finishes pending gathers before handing a parameter out.
+
+    [Note: guarded parameter reads] Every way to a parameter through its module goes through
+    this dict: ``module.weight`` (``nn.Module.__getattr__``: ``__getitem__``), ``parameters()``,
+    ``named_parameters()``, ``state_dict()``, ``load_state_dict()``, ``to()`` (``items()``). An
+    attribute read waits only for the bucket holding that parameter, in launch order, launching
+    the next gathers as slots free up, so a forward waits exactly as far as it has got: this is
+    the forward pre-hook of Megatron's ``overlap_param_gather`` at the finest grain, and it also
+    covers reads no pre-hook sees (``nn.MultiheadAttention`` passing ``out_proj.weight`` to a
+    functional call without calling ``out_proj``; a parameter of the LightningModule itself used
+    in ``training_step``, which is not a ``forward``). Iterating finishes every gather. Only a
+    reference taken before the step and read after it bypasses this: call
+    :meth:`ZeroEngine.finish_param_gather` first (or set ``overlap_param_gather=False``).
+    """
+
+    __slots__ = ("_gatherer", "_positions")
+
+    def __init__(self, params: dict[str, nn.Parameter | None], gatherer: ParamGatherer,
+                 positions: dict[str, int]) -> None:
+        super().__init__(params)
+        self._gatherer = gatherer
+        self._positions = positions  # name -> gather position of the parameter's bucket
+
+    def __getitem__(self, name: str) -> nn.Parameter | None:
+        gatherer = self._gatherer
+        if gatherer.pending:
+            gatherer.wait_for(self._positions.get(name, -1))
+        return dict.__getitem__(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def items(self) -> Any:
+        self._gatherer.finish()
+        return dict.items(self)
+
+    def values(self) -> Any:
+        self._gatherer.finish()
+        return dict.values(self)
+
+    def copy(self) -> dict[str, nn.Parameter | None]:
+        self._gatherer.finish()
+        return dict.copy(self)
+
+    def __reduce__(self) -> Any:
+        # A pickled or deep-copied module gets a plain dict with the finished values.
+        return (dict, (self.copy(),))
+
+
+def _guard_parameter_reads(module: nn.Module, sharded: dict[nn.Parameter, ShardedParam],
+                           gatherer: ParamGatherer) -> list[nn.Module]:
+    """Install :class:`_GuardedParameters` on every module holding a sharded parameter."""
+    guarded = []
+    for sub in module.modules():
+        params = sub._parameters
+        positions = {name: sharded[p].bucket.gather_position for name, p in params.items() if p in sharded}
+        if positions and not isinstance(params, _GuardedParameters):
+            sub.__dict__["_parameters"] = _GuardedParameters(params, gatherer, positions)
+            guarded.append(sub)
+    return guarded
+
+
+def _unguard_parameter_reads(modules: list[nn.Module]) -> None:
+    for sub in modules:
+        params = sub._parameters
+        if isinstance(params, _GuardedParameters):
+            sub.__dict__["_parameters"] = dict.copy(params)

@@ -1,9 +1,12 @@
 """The sharded optimizer: the user's optimizer stepping this rank's fp32 master shards.
 
 Step order (DESIGN.md, data flow 5): the reductions were already waited for when backward
-ended (:class:`~lightning_zero.buckets.GradReducer`); clipping uses the global norm; the
-inner optimizer updates the shards; the updated shards are all-gathered back into the
-model's parameters, bucket by bucket, so every rank again holds the full model.
+ended (:class:`~lightning_zero.buckets.GradReducer`); the closure runs (Lightning's forward and
+backward); the previous step's parameter gathers are finished and the presence of gradients is
+read, once; the pre-update hooks run; clipping uses the global norm; the inner optimizer updates
+the shards; the updated shards' all-gathers are launched (:class:`~lightning_zero.buckets.ParamGatherer`),
+and either finished before ``step`` returns or, with ``overlap_param_gather``, during the next
+forward ([Note: gather overlap] in buckets.py).
 
 [Note: wrapping the user's optimizer] The user's optimizer object is kept and its param
 groups are rewritten to hold the master shards, so LR schedulers built over it keep working
@@ -26,14 +29,15 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
-from lightning_zero.buckets import GradBucket, ShardedParam
+from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
 
 
 class ZeroOptimizer(Optimizer):
     """Runs ``inner`` on this rank's shards and keeps the model's full parameters up to date."""
 
     def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
-                 group: dist.ProcessGroup | None, overlap_communication: bool = True) -> None:
+                 group: dist.ProcessGroup | None, reducer: GradReducer, gatherer: ParamGatherer,
+                 device: torch.device, overlap_param_gather: bool = True) -> None:
         if inner.state:
             raise ValueError(
                 f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
@@ -46,7 +50,10 @@ class ZeroOptimizer(Optimizer):
         self.inner = inner
         self.sharded_params = list(sharded_params)  # in param_groups order
         self.process_group = group
-        self._async_op = overlap_communication
+        self._reducer = reducer
+        self._gatherer = gatherer
+        self._device = device  # for tensors when this rank holds no gradient (fallbacks only)
+        self._overlap_param_gather = overlap_param_gather
         self._buckets: list[GradBucket] = list(dict.fromkeys(sp.bucket for sp in sharded_params))
         owned = {id(sp) for sp in sharded_params}
         self._whole_buckets = [b for b in self._buckets if all(id(sp) in owned for sp in b.params)]
@@ -93,11 +100,18 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._prepare_update()
         for hook in list(self._pre_update_hooks.values()):
             hook()
         self.inner.step()
         self.gather_params()
         return loss
+
+    def _prepare_update(self) -> None:
+        """Before anything reads or writes the shards: the last step's gathers done (for fp32
+        they read the master shards themselves), ``.grad`` only where some rank had one."""
+        self._gatherer.finish()
+        self._reducer.resolve_presence()
 
     def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call ``hook()`` in :meth:`step` after the closure and right before the shards change.
@@ -114,26 +128,28 @@ class ZeroOptimizer(Optimizer):
         return handle
 
     def gather_params(self, all_buckets: bool = False) -> None:
-        """All-gather updated shards into the model's parameters, bucket by bucket.
+        """All-gather updated shards into the model's parameters, bucket by bucket, at most
+        ``MAX_IN_FLIGHT`` at a time; left to finish during the next forward with
+        ``overlap_param_gather`` (never with ``all_buckets``, used at load time).
 
         Buckets in which no parameter got a gradient on any rank are skipped; ``has_grad`` is
         the same on every rank (it comes from the reduced flags), so the collectives match.
         ``all_buckets`` (after the masters were loaded) includes the frozen buckets, whose
         loaded masters reach the model no other way.
         """
-        pending = [
-            bucket.launch_all_gather(self.process_group, self._async_op)
-            for bucket in self._buckets
+        self._gatherer.start(
+            bucket for bucket in self._buckets
             if all_buckets or (bucket.communicates and any(sp.has_grad for sp in bucket.params))
-        ]
-        for gather in pending:
-            gather.finish()
+        )
+        if all_buckets or not self._overlap_param_gather:
+            self._gatherer.finish()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip shard gradients by the norm over *all* shards, like ``clip_grad_norm_`` on one process."""
+        self._prepare_update()  # the one presence read of this step (no-op at the step then)
         grads = [sp.grad_shard for sp in self.sharded_params if sp.has_grad]
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        device = self._buckets[0].device if self._buckets else self._device
         norm_type = float(norm_type)
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max() \
@@ -150,10 +166,13 @@ class ZeroOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients: full ones not yet reduced and the reduced shards."""
+        # Presence counts of a backward no step consumed go too (they live on the device).
         for bucket in self._whole_buckets:
             bucket.grad_shard.zero_()
+            bucket.present_count.zero_()
         for sp in self._partial:
             sp.grad_shard.zero_()
+            sp.present_count.zero_()
         for sp in self.sharded_params:
             sp.param.grad = None
             sp.master.grad = None

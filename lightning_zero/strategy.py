@@ -44,8 +44,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
     Args:
         stage: 1 shards optimizer state (gradients all-reduced); 2 also shards gradients
             (reduce-scattered, full gradients freed bucket by bucket).
-        bucket_size_mb: gradient bucket capacity in MiB.
+        bucket_size_mb: gradient bucket capacity in MiB; None scales it with the world size.
         overlap_communication: reduce buckets asynchronously while backward runs.
+        overlap_param_gather: leave the parameter all-gathers running into the next forward.
+        reduce_dtype: the dtype gradients are reduced in (a dtype or its name); None: the parameters'.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every training
             step, as DDP does by default; checkpoints always hold rank 0's buffers.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -57,8 +59,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def __init__(
         self,
         stage: Literal[1, 2] = 2,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float | None = None,
         overlap_communication: bool = True,
+        overlap_param_gather: bool = True,
+        reduce_dtype: torch.dtype | str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -70,7 +74,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
     ) -> None:
         # Validated before anything else so a bad stage fails at construction, on every rank.
-        self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication)
+        self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
+from lightning_zero import _collectives as comm
 
 
 class Net(nn.Module):
@@ -53,6 +55,10 @@ class Case:
     stage: int = 2
     bucket_size_mb: float = 0.0005  # ~500 bytes: several buckets even for this tiny model
     overlap: bool = True
+    overlap_param_gather: bool = True
+    reduce_dtype: str | None = None
+    native_reduce_scatter: bool = False
+    """Take the reduce-scatter path of NCCL (gloo runs it too, only slower than its all-reduce)."""
     skip_branch_at: tuple[tuple[int, int], ...] = ()
     """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -99,8 +105,12 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
-                        ZeroConfig(case.stage, case.bucket_size_mb, case.overlap))
+    native = mock.patch.object(comm, "has_native_reduce_scatter", return_value=True)
+    with native if case.native_reduce_scatter else contextlib.nullcontext():
+        engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
+                            ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
+                                       case.reduce_dtype))
+    assert engine.reducer.reduce_scatter == case.native_reduce_scatter
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
@@ -120,13 +130,15 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         opt.step()
         if sched is not None:
             sched.step()
+    # Through the module first: that read finishes the last step's overlapped gathers.
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
     masters_match = all(
         torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
         for sp in engine.sharded_params.values()
     )
     fqn_of_master = {sp.master: sp.fqn for sp in engine.sharded_params.values()}
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params": params,
         "shard_numel": engine.optimizer_shard_numel,
         "masters_match": masters_match,
         "state_names": sorted(fqn_of_master[m] for m, state in opt.state.items() if state),
@@ -271,3 +283,233 @@ def reference_one_step(world_size: int, step: int, clip_norm: float) -> dict[str
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
     opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---- parameter gather overlap, memory bounds, reduce dtype ------------------------------------
+
+
+class Deep(nn.Module):
+    """Six layers, each several buckets at ``DEEP_BUCKET_MB``; ``skip`` leaves out ``layers[3]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(7 if i == 0 else 16, 16) for i in range(6))
+        self.out = nn.Linear(16, 7)
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (skip and i == 3):
+                x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+DEEP_BUCKET_MB = 0.0005
+"""About 125 fp32 elements: 16x16 weights get a bucket each, so the gathers queue up."""
+
+
+def _deep_engine(overlap_param_gather: bool, stage: int = 2) -> tuple[Deep, ZeroEngine]:
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return model, ZeroEngine(model, [opt], ZeroConfig(stage, DEEP_BUCKET_MB, overlap_param_gather=overlap_param_gather))
+
+
+def _deep_step(model: Deep, engine: ZeroEngine, step: int, rank: int, world_size: int) -> None:
+    x, y = global_batch(step, 0, world_size)
+    # Rank 1 skips a layer in odd steps: its gathers for that layer are finished by the backward.
+    skip = rank == 1 and step % 2 == 1
+    loss = F.mse_loss(model(x.chunk(world_size)[rank], skip=skip), y.chunk(world_size)[rank])
+    loss.backward()
+    engine.ensure_flushed()
+    engine.optimizers[0].step()
+    engine.optimizers[0].zero_grad()
+
+
+def run_gather_overlap(rank: int, world_size: int, steps: int = 4) -> dict[str, Any]:
+    """The same training with the gathers overlapped and not, plus what each forced read sees."""
+    from lightning_zero.buckets import MAX_IN_FLIGHT
+
+    model, engine = _deep_engine(overlap_param_gather=True)
+    plain_model, plain_engine = _deep_engine(overlap_param_gather=False)
+    in_flight: list[int] = []
+    engine.gatherer.launch_hook = lambda g: in_flight.append(g.in_flight)
+    last_layer_weight = model.layers[5].weight  # a reference taken before the step bypasses the guard
+    observations: dict[str, Any] = {"max_in_flight_allowed": MAX_IN_FLIGHT}
+    for step in range(steps):
+        _deep_step(model, engine, step, rank, world_size)
+        _deep_step(plain_model, plain_engine, step, rank, world_size)
+    expected = {n: p.detach().clone() for n, p in plain_model.named_parameters()}
+    observations["pending_after_step"] = engine.gatherer.pending
+    observations["stale_reference_differs"] = not torch.equal(last_layer_weight.detach(), expected["layers.5.weight"])
+    # Only the first layer's parameters: the gathers of the later layers must still be pending.
+    first = model.layers[0].weight.detach().clone()
+    observations["first_layer_exact"] = torch.equal(first, expected["layers.0.weight"])
+    observations["pending_after_first_layer"] = engine.gatherer.pending
+    with torch.no_grad():  # an evaluation forward finishes whatever it reads
+        x, _ = global_batch(99, 0, world_size)
+        observations["eval_exact"] = torch.equal(model(x), plain_model(x))
+    observations["pending_after_eval"] = engine.gatherer.pending
+
+    # state_dict forces the gathers too.
+    _deep_step(model, engine, steps, rank, world_size)
+    _deep_step(plain_model, plain_engine, steps, rank, world_size)
+    observations["pending_before_state_dict"] = engine.gatherer.pending
+    state = model.state_dict()
+    observations["state_dict_exact"] = all(torch.equal(state[k], v) for k, v in plain_model.state_dict().items())
+
+    # And finish_param_gather, idempotently.
+    _deep_step(model, engine, steps + 1, rank, world_size)
+    _deep_step(plain_model, plain_engine, steps + 1, rank, world_size)
+    engine.finish_param_gather()
+    engine.finish_param_gather()
+    observations["finish_exact"] = torch.equal(last_layer_weight.detach(), plain_model.layers[5].weight.detach())
+    observations["bit_identical"] = all(
+        torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), plain_model.parameters(), strict=True)
+    )
+    observations["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    observations["in_flight"] = in_flight
+    observations["buckets"] = len(engine.buckets)
+    engine.close()
+    plain_engine.close()
+    return observations
+
+
+def deep_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on the global batch, with the same layer skipped on rank 1's slice."""
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(steps):
+        x, y = global_batch(step, 0, world_size)
+        loss = sum(F.mse_loss(model(xs, skip=(r == 1 and step % 2 == 1)), ys)
+                   for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True)))
+        (loss / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) -> dict[str, Any]:
+    """Which buffers the collectives of backward and step write, and what the pool holds."""
+    from lightning_zero import _collectives as comm
+
+    model, engine = _deep_engine(overlap_param_gather=True, stage=stage)
+    seen: dict[str, list[tuple[int, int]]] = {"gather": [], "reduce": []}
+
+    def storage(t: torch.Tensor) -> tuple[int, int]:
+        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+    originals = comm.all_gather, comm.all_reduce, comm.reduce_scatter
+
+    recording = [False]  # from step 1 on: step 0 grows the pool's slots to the largest bucket
+
+    def all_gather(output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+        if recording[0]:
+            seen["gather"].append(storage(output))
+        return originals[0](output, input, *args)
+
+    def all_reduce(tensor: torch.Tensor, *args: Any) -> Any:
+        if recording[0]:
+            seen["reduce"].append(storage(tensor))
+        return originals[1](tensor, *args)
+
+    comm.all_gather, comm.all_reduce = all_gather, all_reduce  # type: ignore[assignment]
+    pool_bytes = []
+    try:
+        for step in range(steps):
+            recording[0] = step > 0
+            _deep_step(model, engine, step, rank, world_size)
+            pool_bytes.append(engine.pool.nbytes)
+        engine.finish_param_gather()
+    finally:
+        comm.all_gather, comm.all_reduce, comm.reduce_scatter = originals  # type: ignore[assignment]
+    itemsize = 4
+    largest = max(max(b.world_size * b.reduce_numel, b.world_size * b.row_numel) for b in engine.buckets) * itemsize
+    result = {
+        "gather_storages": len({ptr for ptr, _ in seen["gather"]}),
+        "reduce_storages": len({ptr for ptr, _ in seen["reduce"]}),
+        "all_storages": len({ptr for ptr, _ in seen["gather"] + seen["reduce"]}),
+        "gathers": len(seen["gather"]),
+        "reductions": len(seen["reduce"]),
+        "pool_bytes": pool_bytes,
+        "largest_bucket_bytes": largest,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "buckets": len(engine.buckets),
+    }
+    engine.close()
+    return result
+
+
+def run_reduce_dtype(rank: int, world_size: int, reduce_dtype: str | None, stage: int) -> dict[str, Any]:
+    """One backward of a bf16 Net; this rank's shard gradients and, computed here with plain
+    PyTorch, every slice's bf16 gradient (so both sides see identical single-thread kernels)."""
+    model = initial_model().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage, 0.0005, reduce_dtype=reduce_dtype))
+    x, y = global_batch(0, 0, world_size)
+    loss = F.mse_loss(model(x.chunk(world_size)[rank].bfloat16()), y.chunk(world_size)[rank].bfloat16())
+    loss.backward()
+    engine.ensure_flushed()
+    engine.optimizers[0].clip_grad_norm_(1e9)  # reads the presence once, clips nothing
+    shards = {sp.fqn: (sp.master.grad.clone() if sp.master.grad is not None else None,
+                       sp.layout.start(rank), sp.layout.end(rank)) for sp in engine.sharded_params.values()}
+    slice_grads = []
+    for r in range(world_size):
+        ref = initial_model().to(torch.bfloat16)
+        F.mse_loss(ref(x.chunk(world_size)[r].bfloat16()), y.chunk(world_size)[r].bfloat16()).backward()
+        slice_grads.append({n: p.grad.clone() if p.grad is not None else None for n, p in ref.named_parameters()})
+    engine.close()
+    return {"shards": shards, "slice_grads": slice_grads}
+
+
+def run_device_audit(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """Train with torch's default device set to ``meta`` while every collective is watched.
+
+    The engine must create every tensor on an explicit device (the bucket's, the module's or the
+    group's): one created without a device lands on ``meta`` here, and a collective receiving it,
+    or an op mixing it with the CPU parameters, shows the CPU assumption that would break NCCL.
+    """
+    import torch.distributed as dist
+
+    violations: list[str] = []
+    expected = comm.group_device(None)
+
+    def audited(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for arg in [*args, *kwargs.values()]:
+                tensors = arg if isinstance(arg, (list, tuple)) else [arg]
+                for t in tensors:
+                    if isinstance(t, torch.Tensor) and t.device != expected:
+                        violations.append(f"{name} got a tensor on {t.device}, its group serves {expected}")
+            return fn(*args, **kwargs)
+
+        return call
+
+    patches = [mock.patch.object(dist, n, audited(n, getattr(dist, n))) for n in ("all_reduce", "broadcast")]
+    patches += [mock.patch.object(comm, n, audited(n, getattr(comm, n))) for n in ("_reduce_scatter", "_all_gather")]
+    batches = [global_batch(step, 0, world_size) for step in range(3)]
+    model = initial_model()
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        torch.set_default_device("meta")
+        try:
+            engine = ZeroEngine(model, [make_optimizer("sgd", model)], ZeroConfig(stage, 0.0005))
+            opt = engine.optimizers[0]
+            for step, (x, y) in enumerate(batches):
+                loss = F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+                loss.backward()
+                engine.ensure_flushed()
+                opt.clip_grad_norm_(0.05)
+                opt.step()
+                opt.zero_grad()
+                if step == 1:
+                    model.state_dict()  # a forced gather
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            empty = ZeroEngine(nn.Module(), [], ZeroConfig(stage))
+            fallback_device = empty.device
+            empty.close()
+            engine.close()
+        finally:
+            torch.set_default_device(None)
+    return {"violations": violations, "params": params, "fallback_device": str(fallback_device),
+            "devices": sorted({str(t.device) for t in params.values()})}

@@ -523,12 +523,11 @@ def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
     """Tensors (FlatShard as 1-D DTensors) for DCP, keyed by path; the rest for ``objects.pt``."""
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = _mesh()
     tensors: dict[str, Any] = {}
     for path, leaf in walk(state):
         key = "/".join(path)
         if isinstance(leaf, FlatShard):
-            tensors[key] = DTensor.from_local(leaf.local, mesh, [Shard(0)], run_check=False,
+            tensors[key] = DTensor.from_local(leaf.local, _mesh(), [Shard(0)], run_check=False,
                                               shape=torch.Size([leaf.numel]), stride=(1,))
         elif isinstance(leaf, Tensor):
             tensors[key] = leaf

@@ -37,6 +37,7 @@ from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
+from lightning_zero.checkpoint.tree import tensor_paths
 from lightning_zero.engine import ZeroEngine
 
 TREE_TAG = "lightning_zero"
@@ -159,8 +160,10 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         error = exc
     saver.agree(error, loc)
     if mode == "full":
-        ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
-        return content
+        if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
+            ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
+            return content
+        keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
     for index, optimizer in enumerate(engine.optimizers):
         ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
     tree = ckpt_state.zero_state_dict(engine, module, for_load=True)

@@ -1,0 +1,72 @@
+"""The parameter all-gather after the step overlaps the next forward and is exact.
+
+Two engines over the same model train side by side on 2 gloo ranks, one with
+``overlap_param_gather`` and one without; every read through the module (an attribute, an
+evaluation forward, ``state_dict``, ``finish_param_gather``) must see bit-identical weights, and
+training must match plain PyTorch. Rank 1 skips a layer in odd steps, so the ranks' forwards wait
+for different buckets.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from engine_cases import deep_reference, run_gather_overlap
+
+WORLD_SIZE = 2
+STEPS = 4
+
+
+@functools.cache
+def results() -> list[dict[str, Any]]:
+    return run_distributed(run_gather_overlap, WORLD_SIZE, STEPS, start_method="forkserver")
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_gathers_are_still_pending_when_step_returns(rank: int) -> None:
+    result = results()[rank]
+    assert result["pending_after_step"]
+    assert result["stale_reference_differs"], "the deferred gather must not have written the parameters yet"
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_reading_one_layer_waits_for_its_buckets_only(rank: int) -> None:
+    result = results()[rank]
+    assert result["first_layer_exact"]
+    assert result["pending_after_first_layer"], "reading layer 0 finished the later layers' gathers too"
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+@pytest.mark.parametrize("read", ["eval", "state_dict", "finish"])
+def test_every_read_sees_the_weights_of_a_non_overlapped_engine(rank: int, read: str) -> None:
+    assert results()[rank][f"{read}_exact"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_state_dict_finishes_a_pending_gather(rank: int) -> None:
+    assert results()[rank]["pending_before_state_dict"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_overlapped_training_is_bit_identical_to_gathering_in_the_step(rank: int) -> None:
+    assert results()[rank]["bit_identical"]
+
+
+def test_overlapped_training_matches_single_process_pytorch() -> None:
+    expected = deep_reference(WORLD_SIZE, STEPS + 2)
+    for rank, result in enumerate(results()):
+        for fqn, value in expected.items():
+            torch.testing.assert_close(result["params"][fqn], value, atol=1e-6, rtol=1e-5,
+                                       msg=lambda m, r=rank, f=fqn: f"rank {r}, {f}: {m}")
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_gathers_in_flight_never_exceed_the_bound(rank: int) -> None:
+    result = results()[rank]
+    assert result["buckets"] > 2 * result["max_in_flight_allowed"], "the model must queue gathers"
+    assert result["in_flight"], "no gather was launched"
+    assert max(result["in_flight"]) <= result["max_in_flight_allowed"]
