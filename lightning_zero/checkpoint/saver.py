@@ -266,6 +266,15 @@ def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | Non
     _SAVER.link_after_pending(storage.resolve(checkpoint_id, storage_options), storage.resolve(link_id, storage_options))
 
 
+def remove_incomplete(directory: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """(one process, after the saves of this process finished) Delete the leftovers of saves that
+    never committed in ``directory`` (a job killed mid-save), keeping every committed checkpoint; see
+    :func:`storage.remove_incomplete`. The next successful save of the same name does this for
+    that name by itself; this is for names that are never saved again (``epoch=...`` files)."""
+    maybe_finalize_async_calls(blocking=True)
+    return storage.remove_incomplete(storage.resolve(directory, storage_options))
+
+
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
     """(one rank) Delete a checkpoint, after the save in flight has committed."""
     _SAVER.remove_after_pending(storage.resolve(checkpoint_id, storage_options))

@@ -296,6 +296,50 @@ def remove_stale_versions(loc: Location, keep: str) -> None:
         pass
 
 
+def remove_incomplete(directory: Location) -> list[str]:
+    """Delete what saves that never committed left in ``directory``: data versions no commit marker
+    there names (a ``local``/``sharded`` save killed before its marker) and ``*.tmp-*`` files (a
+    ``full`` file or marker killed before its rename). Returns what was deleted.
+
+    Every marker of the directory is read first, so a version that any name commits (a link or
+    copied marker included) is kept. Run it when no save into this directory is in flight in another
+    process: a save in progress looks exactly like a dead one."""
+    fs, root = directory.fs, directory.path.rstrip("/")
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    referenced: set[str] = set()
+    removed: list[str] = []
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if ".tmp-" in name and entry.get("type") == "file":
+            fs.rm(entry["name"])
+            removed.append(entry["name"])
+        elif entry.get("type") == "file" or entry.get("islink"):
+            try:
+                marker = read_marker(Location(fs, f"{root}/{name}", f"{directory.url.rstrip('/')}/{name}"))
+            except Exception:  # not a checkpoint of this package (or damaged): names no version
+                continue
+            if marker is not None:
+                data = str(marker["data"])
+                referenced.add(_join(root, data) if "/" in data else _join(root, DATA_DIR, name, data))
+    data_root = _join(root, DATA_DIR)
+    try:
+        names = fs.ls(data_root, detail=False)
+    except FileNotFoundError:
+        return removed
+    for name_dir in names:
+        versions = fs.ls(name_dir, detail=False)
+        for version in versions:
+            if version.rstrip("/") not in referenced:
+                fs.rm(version, recursive=True)
+                removed.append(version)
+        if fs.exists(name_dir) and not fs.ls(name_dir, detail=False):
+            fs.rm(name_dir, recursive=True)
+    return removed
+
+
 def newest_siblings(loc: Location) -> list[str]:
     """Other checkpoint files in ``loc``'s directory, newest first (fallbacks for a damaged "last")."""
     try:
