@@ -23,11 +23,43 @@ class _RemoteLastLookup:
     def __call__(self, trainer: Any) -> set[str]:
         # The class's method, not a bound one: the instance attribute is this object.
         found = type(self.callback)._find_last_checkpoints(self.callback, trainer)
+        # Lightning takes every name containing "last": a full-mode save killed mid-write leaves
+        # `last.ckpt.tmp-<id>`, which is never a checkpoint.
+        found = {p for p in found if ".tmp-" not in os.path.basename(p)}
         dirpath = str(self.callback.dirpath or "")
-        if "://" not in dirpath:
-            return found
-        protocol = dirpath.split("://", 1)[0]
-        return {p if "://" in p else f"{protocol}://{p}" for p in found}
+        if "://" in dirpath:
+            protocol = dirpath.split("://", 1)[0]
+            found = {p if "://" in p else f"{protocol}://{p}" for p in found}
+        if not found and dirpath:
+            found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION)
+        return found
+
+
+def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> set[str]:
+    """The newest checkpoint of ``dirpath`` that committed, when no ``last*`` one survived.
+
+    A job killed while its first ``last.ckpt`` was being written (or a deleted ``last.ckpt``) leaves
+    complete ``epoch=...`` checkpoints beside it; Lightning's ``ckpt_path="last"`` then finds nothing
+    and silently trains from step 0. An uncommitted save has no marker (or only a ``.tmp-`` file in
+    ``full`` mode), so every name listed here whose marker reads is a complete checkpoint."""
+    from lightning_zero.checkpoint import storage
+    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
+    for candidate in storage.newest_siblings(storage.resolve(f"{dirpath.rstrip('/')}/last{extension}", options)):
+        if not candidate.endswith(extension):
+            continue
+        try:
+            storage.read_marker(storage.resolve(candidate, options))
+        except Exception:  # damaged or not a checkpoint: try the next newest
+            continue
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f'ckpt_path="last": no last checkpoint survived in {dirpath!r}; resuming from {candidate!r},'
+                       " the newest complete checkpoint there.")
+        return {candidate}
+    return set()
 
 
 def fix_remote_last_lookup(trainer: Any) -> None:

@@ -11,6 +11,7 @@ from lightning_zero.checkpoint.saver import (
     maybe_finalize_async_calls,
     read_mode,
     remove,
+    remove_incomplete,
     save,
     wait_for_staging,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "read_lightning_checkpoint",
     "read_mode",
     "remove",
+    "remove_incomplete",
     "save",
     "save_pretrained",
     "wait_for_staging",

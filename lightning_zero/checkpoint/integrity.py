@@ -164,16 +164,22 @@ class _ChecksummingStream:
     between consecutive ``tell()`` calls are exactly the items; their CRCs are kept by start offset.
     """
 
-    def __init__(self, raw: Any, segments: dict[tuple[int, int], int]) -> None:
+    def __init__(self, raw: Any, segments: dict[tuple[int, int], int], errors: list[BaseException]) -> None:
         self._raw = raw
         self._segments = segments  # (offset, length) -> crc32
+        self._errors = errors
         self._start = 0
         self._position = 0
         self._crc = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except BaseException as exc:
+            # torch.save's zip writer swallows this and raises "unexpected pos": keep the real cause.
+            self._errors.append(exc)
+            raise
         count = len(view) if written is None else written
         self._crc = zlib.crc32(view[:count], self._crc)
         self._position += count
@@ -195,6 +201,7 @@ class _ChecksummingFileSystem:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.segments: dict[str, dict[tuple[int, int], int]] = {}
+        self.errors: list[BaseException] = []
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -204,7 +211,7 @@ class _ChecksummingFileSystem:
                 return
             segments: dict[tuple[int, int], int] = {}
             self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = segments
-            yield _ChecksummingStream(stream, segments)
+            yield _ChecksummingStream(stream, segments, self.errors)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -226,7 +233,12 @@ def checksumming_writer(base: type, save_id: str) -> type:
         def write_data(self, plan: Any, planner: Any) -> Any:
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)
-            future = super().write_data(plan, planner)
+            try:
+                future = super().write_data(plan, planner)
+            except Exception as exc:
+                if self.fs.errors:  # the storage error torch.save hid behind its own
+                    raise self.fs.errors[0] from exc
+                raise
             for result in future.wait():
                 info = result.storage_data
                 crc = self.fs.segments.get(info.relative_path, {}).get((info.offset, info.length))

@@ -266,6 +266,15 @@ def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | Non
     _SAVER.link_after_pending(storage.resolve(checkpoint_id, storage_options), storage.resolve(link_id, storage_options))
 
 
+def remove_incomplete(directory: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """(one process, after the saves of this process finished) Delete the leftovers of saves that
+    never committed in ``directory`` (a job killed mid-save), keeping every committed checkpoint; see
+    :func:`storage.remove_incomplete`. The next successful save of the same name does this for
+    that name by itself; this is for names that are never saved again (``epoch=...`` files)."""
+    maybe_finalize_async_calls(blocking=True)
+    return storage.remove_incomplete(storage.resolve(directory, storage_options))
+
+
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
     """(one rank) Delete a checkpoint, after the save in flight has committed."""
     _SAVER.remove_after_pending(storage.resolve(checkpoint_id, storage_options))
@@ -311,7 +320,9 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         error = f"rank {rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
     errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
-        if rank == 0 and version_dir:
+        if rank == 0 and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
+            # (An unreachable store keeps the partial version: nothing points at it, and the next
+            # successful save of this name deletes it with the other stale versions.)
             _discard(loc, version_dir)
         raise CheckpointSaveError(
             f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
@@ -387,12 +398,53 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
 
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            torch.save(obj, f)
+            _save_keeping_write_errors(obj, f)
             f.flush()
             os.fsync(f.fileno())
     else:
-        with loc.fs.open(path, "wb") as f:
-            torch.save(obj, f)
+        f = loc.fs.open(path, "wb")
+        try:
+            _save_keeping_write_errors(obj, f)
+        except BaseException:
+            # fsspec's close() would finish the upload of the partial file (and retry against a store
+            # that stopped answering): abort the multipart upload instead.
+            with contextlib.suppress(Exception):
+                f.discard()
+            f.closed = True
+            raise
+        f.close()
+
+
+class _WriteErrorKeeper:
+    """A file wrapper that remembers the first error of ``write``.
+
+    torch.save's C++ zip writer swallows the Python exception of a failed ``write`` and reports only
+    "[enforce fail at inline_container.cc] unexpected pos" (seen on a full tmpfs): the real cause
+    (ENOSPC, a refused upload) is re-raised from here instead."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._raw.write(data)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def _save_keeping_write_errors(obj: Any, f: Any) -> None:
+    keeper = _WriteErrorKeeper(f)
+    try:
+        torch.save(obj, keeper)
+    except Exception as exc:
+        if keeper.error is not None:
+            raise keeper.error from exc
+        raise
 
 
 def _encode_shards(state: Any) -> Any:
@@ -426,6 +478,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
         writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))
+        _same_retries(writer, loc)
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
@@ -457,6 +510,22 @@ def _dcp_failure(exc: CheckpointException) -> Exception:
 
 def _fs_options(loc: Location) -> dict[str, Any]:
     return dict(getattr(loc.fs, "storage_options", {}) or {})
+
+
+def _same_retries(dcp_storage: Any, loc: Location) -> None:
+    """DCP's fsspec reader/writer build their own filesystem from the options (a new instance when the
+    cache is skipped): it gets the bounded retries of ``loc.fs`` (see [Note: bounded S3 failures])."""
+    inner = getattr(getattr(dcp_storage, "fs", None), "fs", None)
+    if inner is not None and hasattr(loc.fs, "retries"):
+        inner.retries = loc.fs.retries
+
+
+def _unreachable(error: str) -> bool:
+    """Whether a save failed because the store stopped answering (every further call would wait out
+    its timeouts and retries too)."""
+    return any(sign in error for sign in ("ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "timed out",
+                                          "ClientConnectorError", "ServerDisconnected", "Connection reset",
+                                          "ConnectionClosed", "Cannot connect"))
 
 
 def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
@@ -814,8 +883,10 @@ def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False
 
     if loc.is_local:
         return integrity.verifying_reader(dcp.FileSystemReader, loc.url, require)(version_dir)
-    return integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
-                                                                      **_fs_options(loc))
+    reader = integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
+                                                                        **_fs_options(loc))
+    _same_retries(reader, loc)
+    return reader
 
 
 def _read_dcp_metadata(loc: Location, reader: Any) -> Any:

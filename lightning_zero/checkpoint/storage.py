@@ -17,6 +17,7 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -77,28 +78,59 @@ def _join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 
 
+S3_TIMEOUTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+}
+"""botocore settings every ``s3://`` location gets unless ``storage_options["config_kwargs"]`` sets them.
+
+[Note: bounded S3 failures] botocore's default (legacy retries, 60 s read timeout) multiplied by
+s3fs's own retries of timed-out calls let a save to an S3 endpoint that stopped answering hang for
+many minutes. "standard" retries back off with jitter on 5xx and throttling (``SlowDown``) and
+give up after ``max_attempts``; s3fs makes at most ``S3_CALL_ATTEMPTS`` attempts of a call that
+timed out (its default: 5). A dead endpoint then fails a call within about S3_CALL_ATTEMPTS *
+max_attempts * read_timeout (3 minutes) in the worst case (frozen), within seconds when the connection
+is refused; a failed ``sharded`` save makes about two such calls (DCP deletes its partial file)."""
+
+S3_CALL_ATTEMPTS = 2
+
+
+def _with_s3_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    config = {**S3_TIMEOUTS, **(options.get("config_kwargs") or {})}
+    return {**options, "config_kwargs": config}
+
+
 def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
     url = os.fspath(url)
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **_with_s3_defaults(url, dict(storage_options or {})))
     except ImportError as exc:
         raise ValueError(f"No filesystem for {url!r}: {exc}. Install the fsspec backend for this protocol.") from exc
     if isinstance(fs, LocalFileSystem):
         path = os.path.abspath(path)
+    elif type(fs).__name__ == "S3FileSystem" and "retries" not in (storage_options or {}):
+        fs.retries = S3_CALL_ATTEMPTS  # s3fs reads it per call; see [Note: bounded S3 failures]
     return Location(fs, path, url)
 
 
 def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     """A clear error for an unreachable bucket, refused access or a full disk; no credentials in it."""
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+    if isinstance(exc, PermissionError) and loc.is_local:
+        hint = "permission denied: give this user write access to the directory or point the checkpoint elsewhere"
+    elif isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
         hint = "access was refused: check the credentials/profile in storage_options and the bucket policy"
     elif "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
         isinstance(exc, FileNotFoundError) and not loc.is_local
     ):
         hint = "the bucket or prefix does not exist: create it or fix the path"
-    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
+    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == errno.ENOSPC:
         hint = "the disk is full: free space or point the checkpoint elsewhere; the previous checkpoint is intact"
+    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == errno.EROFS:
+        hint = "the file system is read-only: mount it read-write or point the checkpoint elsewhere"
     else:
         hint = "see the cause below"
     return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
@@ -262,6 +294,50 @@ def remove_stale_versions(loc: Location, keep: str) -> None:
                 loc.fs.rm(entry, recursive=True)
     except FileNotFoundError:
         pass
+
+
+def remove_incomplete(directory: Location) -> list[str]:
+    """Delete what saves that never committed left in ``directory``: data versions no commit marker
+    there names (a ``local``/``sharded`` save killed before its marker) and ``*.tmp-*`` files (a
+    ``full`` file or marker killed before its rename). Returns what was deleted.
+
+    Every marker of the directory is read first, so a version that any name commits (a link or
+    copied marker included) is kept. Run it when no save into this directory is in flight in another
+    process: a save in progress looks exactly like a dead one."""
+    fs, root = directory.fs, directory.path.rstrip("/")
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    referenced: set[str] = set()
+    removed: list[str] = []
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if ".tmp-" in name and entry.get("type") == "file":
+            fs.rm(entry["name"])
+            removed.append(entry["name"])
+        elif entry.get("type") == "file" or entry.get("islink"):
+            try:
+                marker = read_marker(Location(fs, f"{root}/{name}", f"{directory.url.rstrip('/')}/{name}"))
+            except Exception:  # not a checkpoint of this package (or damaged): names no version
+                continue
+            if marker is not None:
+                data = str(marker["data"])
+                referenced.add(_join(root, data) if "/" in data else _join(root, DATA_DIR, name, data))
+    data_root = _join(root, DATA_DIR)
+    try:
+        names = fs.ls(data_root, detail=False)
+    except FileNotFoundError:
+        return removed
+    for name_dir in names:
+        versions = fs.ls(name_dir, detail=False)
+        for version in versions:
+            if version.rstrip("/") not in referenced:
+                fs.rm(version, recursive=True)
+                removed.append(version)
+        if fs.exists(name_dir) and not fs.ls(name_dir, detail=False):
+            fs.rm(name_dir, recursive=True)
+    return removed
 
 
 def newest_siblings(loc: Location) -> list[str]:

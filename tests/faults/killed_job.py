@@ -1,0 +1,53 @@
+"""A training job that is SIGKILLed, all of its processes at once, in the middle of a save.
+
+``python killed_job.py MODE DIRPATH``: 2 CPU ranks fit the Lightning cases' module through
+``checkpoint_cases.make_trainer`` (a checkpoint every epoch and ``last.ckpt``). The writer of the
+first ``last.ckpt`` is slowed the way a busy disk is: it writes half of the first data file of that
+save, then the whole process group (the launcher and both ranks) gets SIGKILL, which is what a
+scheduler's hard kill or a lost node does. The test then looks at what is left on disk.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from typing import Any
+
+
+def main(mode: str, dirpath: str) -> None:
+    import torch
+    from checkpoint_cases import fit, make_trainer
+
+    from lightning_zero.checkpoint import saver
+
+    real_save = torch.save
+
+    def saving(frame: Any) -> str:
+        """The checkpoint the background save job calling us writes ("" outside one)."""
+        while frame is not None:
+            if frame.f_code.co_name == "_save_job":
+                return frame.f_locals["loc"].url
+            frame = frame.f_back
+        return ""
+
+    def half_then_kill(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(f, io.BytesIO) and saving(sys._getframe(1)).endswith("/last.ckpt"):
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        real_save(obj, f, *args, **kwargs)
+
+    # The rank files, the sharded objects file and the full file are all torch.save streams; DCP's
+    # data files of sharded mode are too, through DCP's writer.
+    torch.save = half_then_kill  # type: ignore[assignment]
+    saver.torch.save = half_then_kill  # type: ignore[attr-defined]
+    fit(make_trainer(mode, dirpath, 2, start_method="fork"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
