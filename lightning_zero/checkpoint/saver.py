@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
 import time
 import uuid
@@ -220,6 +221,21 @@ class _AsyncSaver:
 
 
 _SAVER = _AsyncSaver()
+
+
+def _forget_after_fork() -> None:
+    """[Note: fork] A forked process inherits the saver's objects but none of its threads: a worker
+    thread made in the parent (Lightning's spawn/fork launcher removes its weights file through the
+    plugin in the main process) would leave the child's first save queued forever, and the parent's
+    process groups are not the child's. The child starts with none of them."""
+    global _SAVER, _coordination_group, _device_mesh
+    _SAVER = _AsyncSaver()
+    _coordination_group = None
+    _device_mesh = None
+    _READ_AHEAD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 # ---- public functional API ----------------------------------------------------------------
