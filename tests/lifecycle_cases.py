@@ -172,9 +172,9 @@ class StagingClock(Callback):
 
         real_stage = saver.stage
 
-        def slow_stage(tree: Any) -> Any:
+        def slow_stage(tree: Any, *args: Any) -> Any:
             time.sleep(self.delay)
-            staged = real_stage(tree)
+            staged = real_stage(tree, *args)
             self.events.append(("staged", time.perf_counter()))
             return staged
 

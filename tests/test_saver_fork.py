@@ -4,6 +4,7 @@ through the plugin in the main process) saves normally: it does not inherit a th
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ def test_a_forked_child_saves_after_the_parent_used_the_saver(tmp_path: Path) ->
     assert not leftover.exists()
     child = multiprocessing.get_context("fork").Process(target=_save_in_child, args=(str(tmp_path / "c.ckpt"),))
     child.start()
-    child.join(timeout=60)
+    child.join(timeout=int(os.environ.get("FORK_JOIN", "60")))
     if child.is_alive():
         child.kill()
     assert child.exitcode == 0, "the forked child's save never ran"

@@ -20,6 +20,7 @@ Call order (every rank makes each call unless marked):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
@@ -39,9 +40,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero._collectives import group_device
 from lightning_zero.checkpoint import integrity, storage
+from lightning_zero.checkpoint.metrics import SaveStats
+from lightning_zero.checkpoint.staging import Stager, ready_event
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.tree import FlatShard, check_same_keys, is_tensor_leaf, map_leaves, stage, walk
+from lightning_zero.checkpoint.tree import FlatShard, check_same_keys, is_tensor_leaf, map_leaves, walk
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +136,7 @@ class _PendingSave:
     future: Future
     staged: threading.Event
     started: float = field(default_factory=time.perf_counter)
+    stats: SaveStats | None = None
 
 
 class _AsyncSaver:
@@ -139,6 +144,12 @@ class _AsyncSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: _PendingSave | None = None
         self._removals: list[tuple[Location, Future]] = []
+        # Figures of committed saves, appended by the worker thread, drained by the training thread
+        # (bounded: the functional API may never drain them).
+        self._stats_lock = threading.Lock()
+        self._committed: collections.deque[SaveStats] = collections.deque(maxlen=1024)
+        self.last_stats: SaveStats | None = None
+        self._submitted_stats: SaveStats | None = None
 
     def executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -146,7 +157,7 @@ class _AsyncSaver:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_ckpt")
         return self._executor
 
-    def submit(self, url: str, job: Callable[[threading.Event], Any]) -> _PendingSave:
+    def submit(self, url: str, job: Callable[[threading.Event], Any], stats: SaveStats | None = None) -> _PendingSave:
         """Queue ``job`` after the save in flight. A failure of that one is raised (once) only after
         the new save is queued: one failed save must not cost the next checkpoint too."""
         previous_error: CheckpointSaveError | None = None
@@ -155,14 +166,41 @@ class _AsyncSaver:
         except CheckpointSaveError as exc:
             previous_error = exc
         staged = threading.Event()
-        self._pending = _PendingSave(url, self.executor().submit(job, staged), staged)
+        self._pending = _PendingSave(url, self.executor().submit(job, staged), staged, stats=stats)
+        self._submitted_stats = stats
+        if stats is not None:
+            self._pending.future.add_done_callback(lambda done: self._record(done, stats))
         if previous_error is not None:
             raise previous_error
         return self._pending
 
     def wait_for_staging(self) -> None:
-        if self._pending is not None:
-            self._pending.staged.wait()
+        pending = self._pending
+        if pending is not None and not pending.staged.is_set():
+            started = time.perf_counter()
+            pending.staged.wait()
+            if pending.stats is not None:
+                pending.stats.staging_wait_s += time.perf_counter() - started
+
+    def _record(self, done: Future, stats: SaveStats) -> None:
+        """(worker thread) Keep the figures of a save that committed; a failed one is raised instead."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        with self._stats_lock:
+            self._committed.append(stats)
+            self.last_stats = stats
+
+    def take_committed(self) -> list[SaveStats]:
+        with self._stats_lock:
+            committed = list(self._committed)
+            self._committed.clear()
+        return committed
+
+    def note_blocked(self, seconds: float) -> None:
+        """The caller's own measure of the training thread's time in the latest save call."""
+        stats = self._submitted_stats
+        if stats is not None:
+            stats.blocked_s = max(stats.blocked_s, seconds)
 
     def finalize(self, blocking: bool) -> bool:
         """True when nothing is left in flight. Raises a failed save's error once; a failed
@@ -221,20 +259,31 @@ class _AsyncSaver:
 
 
 _SAVER = _AsyncSaver()
+_STAGER = Stager()
+
+
+def stage(tree: Any, ready: Any = None) -> Any:
+    """(background thread) Copy every tensor of ``tree`` off the live state (see [Note: staging on GPUs])."""
+    return _STAGER.stage(tree, ready)
 
 
 def _forget_after_fork() -> None:
     """[Note: fork] A forked process inherits the saver's objects but none of its threads: a worker
     thread made in the parent (Lightning's spawn/fork launcher removes its weights file through the
     plugin in the main process) would leave the child's first save queued forever, and the parent's
-    process groups are not the child's. The child starts with none of them."""
-    global _SAVER, _coordination_group, _device_mesh
+    process groups are not the child's. The child starts with none of them. The parent's objects are
+    kept referenced, never destroyed here: a process group's destructor would wait for threads that
+    do not exist in this process."""
+    global _SAVER, _STAGER, _coordination_group, _device_mesh
+    _INHERITED.extend([_SAVER, _STAGER, _coordination_group, _device_mesh])
     _SAVER = _AsyncSaver()
+    _STAGER = Stager()
     _coordination_group = None
     _device_mesh = None
     _READ_AHEAD.clear()
 
 
+_INHERITED: list[Any] = []
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
@@ -249,13 +298,19 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
 
     ``marker_fields`` (rank 0's are used): small plain values copied into the commit marker, where
     readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py)."""
+    called = time.perf_counter()
     validate_mode(mode)
     group = coordination_group()
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
     fields = dict(marker_fields or {})
-    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields))
+    ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
+    step = fields.get("global_step")
+    stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
+    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields, ready, stats, called),
+                  stats)
+    stats.blocked_s = time.perf_counter() - called
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
@@ -274,6 +329,22 @@ def maybe_finalize_async_calls(blocking: bool = True) -> bool:
 def wait_for_staging() -> None:
     """Block until the save in flight has copied its tensors (call before mutating them)."""
     _SAVER.wait_for_staging()
+
+
+def last_save_stats() -> SaveStats | None:
+    """This rank's figures of its newest committed save (None before the first commit)."""
+    return _SAVER.last_stats
+
+
+def take_committed_stats() -> list[SaveStats]:
+    """This rank's figures of the saves committed since the last call, oldest first (no collective)."""
+    return _SAVER.take_committed()
+
+
+def note_blocked(seconds: float) -> None:
+    """(training thread) Record that the newest save call held the caller for ``seconds`` (a caller
+    that does more than :func:`async_save`, as ``ZeroLowLevelStrategy.save_checkpoint`` does)."""
+    _SAVER.note_blocked(seconds)
 
 
 def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -300,7 +371,8 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 
 
 def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
-              marker_fields: dict[str, Any]) -> None:
+              marker_fields: dict[str, Any], ready: Any = None, stats: SaveStats | None = None,
+              called: float | None = None) -> None:
     """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
     read-only path, a write error), every rank makes the same collectives in the same order: a
     failure is recorded, not raised, until the next exchange, so the others never wait in a
@@ -309,12 +381,14 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     """
     rank, world_size = _world()
     error: str | None = None
+    started = time.perf_counter()
     try:
-        state = stage(state)
+        state = stage(state, ready)
     except Exception as exc:
         error = f"rank {rank}: staging the state failed ({type(exc).__name__}: {exc})"
     finally:
         staged.set()
+    staging_done = time.perf_counter()
     if error is None:
         error = _preflight(loc, mode, rank)
     # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go on.
@@ -325,6 +399,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     if errors:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
                                   " checkpoint is intact. " + "; ".join(errors))
+    write_started = time.perf_counter()
     try:
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
@@ -334,6 +409,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
         error = f"rank {rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
+    written = time.perf_counter()
     errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
         if rank == 0 and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
@@ -363,6 +439,24 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     commit_error = _all_gather_objects(commit_error, group)[0] if mode != "full" else commit_error
     if commit_error:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
+    if stats is not None:
+        committed = time.perf_counter()
+        stats.staging_s = staging_done - started
+        stats.write_s = written - write_started
+        stats.commit_s = committed - written
+        stats.committed_after_s = committed - (called if called is not None else started)
+        stats.bytes_written = _bytes_written(state, mode, rank)
+
+
+def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
+    """Tensor bytes this rank wrote (see ``SaveStats.bytes_written``)."""
+    total = 0
+    for _, leaf in _tensor_leaves(state):
+        if isinstance(leaf, FlatShard):
+            total += leaf.local.element_size() * (leaf.numel if mode == "full" else leaf.local.numel())
+        elif mode == "local" or rank == 0:  # replicated: DCP and the full file take rank 0's
+            total += leaf.numel() * leaf.element_size()
+    return total if mode != "full" or rank == 0 else 0
 
 
 def _preflight(loc: Location, mode: Mode, rank: int) -> str | None:
@@ -576,7 +670,9 @@ def _mesh() -> Any:
     if _device_mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
 
-        _device_mesh = DeviceMesh("cpu", list(range(_world()[1])))
+        # On the gloo coordination group, whatever the training group's backend: DCP's collectives run
+        # there (CPU tensors), and a CPU mesh over an NCCL default group would be a CPU-on-NCCL mesh.
+        _device_mesh = DeviceMesh.from_group(coordination_group() or dist.group.WORLD, "cpu")
     return _device_mesh
 
 
@@ -629,16 +725,19 @@ def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException])
     if shard.world_size == 1:
         return shard.local.reshape(shard.shape).clone()
     rank = dist.get_rank()
+    # The group's own device: the strategy gathers a plain CheckpointIO's file on the training group,
+    # which on GPUs is NCCL and takes CUDA tensors only; the coordination group is gloo (CPU).
+    device = group_device(group)
     padded = gather_list = None
     try:
-        padded = torch.zeros(layout.chunk, dtype=shard.local.dtype)
+        padded = torch.zeros(layout.chunk, dtype=shard.local.dtype, device=device)
         padded[: shard.local.numel()] = shard.local
         gather_list = [torch.empty_like(padded) for _ in range(shard.world_size)] if rank == 0 else None
     except Exception as exc:
         padded = gather_list = None
         failure.append(RuntimeError(f"rank {rank}: gathering a tensor of shape {shard.shape} to rank 0 failed"
                                     f" ({type(exc).__name__}: {exc})"))
-    ready = torch.tensor([0 if failure else 1], dtype=torch.int32)
+    ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
     try:
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
         if not ready.item():
@@ -652,7 +751,7 @@ def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException])
     if rank != 0:
         return None
     assert gather_list is not None
-    return torch.cat(gather_list)[: layout.numel].reshape(shard.shape)
+    return torch.cat(gather_list)[: layout.numel].reshape(shard.shape).cpu()
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -88,23 +88,3 @@ def check_same_keys(expected: set[str], found: set[str], url: str) -> None:
             f"{' ...' if len(unexpected) > 20 else ''}. It was probably saved from another model; load it into"
             " the model it was saved from."
         )
-
-
-def stage(tree: Any) -> Any:
-    """Copy every tensor off the live state (to CPU), leaving other leaves as they are."""
-
-    def copy(leaf: Leaf) -> Leaf:
-        if isinstance(leaf, FlatShard):
-            return FlatShard(_to_cpu(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
-        if isinstance(leaf, Tensor):
-            return _to_cpu(leaf)
-        return leaf
-
-    return map_leaves(tree, copy)
-
-
-def _to_cpu(t: Tensor) -> Tensor:
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone()
-    return t.to("cpu", non_blocking=False)

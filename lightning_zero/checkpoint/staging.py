@@ -1,0 +1,103 @@
+"""Staging: copying a checkpoint's tensors off the live state while training goes on.
+
+[Note: staging on GPUs] A save is taken on the training thread at a point where the state is
+consistent (after the optimizer update); the copy runs in the background and must see exactly
+that state. On CUDA:
+
+* the training thread records an event on its current stream when the save is queued
+  (:func:`ready_event`), so the copy is ordered after every kernel that produced the state,
+  without a host synchronisation;
+* the background thread binds itself to the rank's device and copies on a dedicated stream that
+  waits for that event, device-to-host and ``non_blocking`` into *pinned* host buffers, so the
+  copies use the copy engine and overlap the training stream's forward and backward (DCP's
+  ``DefaultStager`` and torchtitan do the same);
+* the pinned buffers are kept and reused by the next save of a tensor of the same key, shape and
+  dtype (allocating pinned memory costs far more than the copy). The previous save is always
+  finalized before the next one stages (see ``_AsyncSaver.submit``), so a buffer is never
+  overwritten while it is still being written out;
+* the stream is synchronised before the save reports "staged", which is what the optimizer's
+  pre-update fence waits for: only then may the update change the live tensors.
+
+CPU tensors are cloned (a host copy is just a memcpy; keeping them would double host memory for
+good).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoint.tree import FlatShard, Path, walk
+
+
+def ready_event(tree: Any) -> tuple[torch.cuda.Event, torch.device] | None:
+    """(training thread) An event on the current CUDA stream after the state was produced, or None
+    when the tree holds no CUDA tensor."""
+    device = next((t.device for t in _tensors(tree) if t.device.type == "cuda"), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event, device
+
+
+class Stager:
+    """Copies trees off the device into reused pinned host buffers (see [Note: staging on GPUs])."""
+
+    def __init__(self) -> None:
+        self._host: dict[tuple[Path, tuple[int, ...], torch.dtype], Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None) -> Any:
+        """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are."""
+        if ready is None:
+            return _map_with_path(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else
+                                  t.detach().to("cpu"))
+        event, device = ready
+        torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
+        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            staged = _map_with_path(tree, self._copy)
+        stream.synchronize()
+        return staged
+
+    def _copy(self, path: Path, tensor: Tensor) -> Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        key = (path, tuple(tensor.shape), tensor.dtype)
+        host = self._host.get(key)
+        if host is None:
+            host = self._host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def host_buffers(self) -> list[Tensor]:
+        """The pinned buffers kept for reuse (for checks and memory accounting)."""
+        return list(self._host.values())
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    out = []
+    for _, leaf in walk(tree):
+        if isinstance(leaf, FlatShard):
+            out.append(leaf.local)
+        elif isinstance(leaf, Tensor):
+            out.append(leaf)
+    return out
+
+
+def _map_with_path(tree: Any, fn: Any, path: Path = ()) -> Any:
+    if isinstance(tree, FlatShard):
+        return FlatShard(fn(path, tree.local), tree.shape, tree.rank, tree.world_size)
+    if isinstance(tree, Tensor):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        return {k: _map_with_path(v, fn, (*path, str(k))) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        mapped = [_map_with_path(v, fn, (*path, str(i))) for i, v in enumerate(tree)]
+        return mapped if isinstance(tree, list) else tuple(mapped)
+    return tree
