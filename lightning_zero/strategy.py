@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from typing_extensions import override
 from lightning_zero._lightning_fixes import LaunchWithFixes
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint import trainer as ckpt_trainer
+from lightning_zero.checkpoint.metrics import CheckpointMetrics
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
 from lightning_zero.engine import ZeroConfig, ZeroEngine
@@ -147,6 +149,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             saver.prepare()  # every save coordinates in the background, also after validate/test
+            if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
+                # Each save's cost reaches the user's loggers without them asking (no collective).
+                trainer.callbacks.append(CheckpointMetrics())
         self.setup_precision_plugin()
 
     def _release_engine(self) -> None:
@@ -243,8 +248,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if isinstance(io, ZeroCheckpointIO):
+            called = time.perf_counter()
             io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode), filepath,
                                storage_options)
+            saver.note_blocked(time.perf_counter() - called)  # building the tree included
             if not self._engine_live:
                 saver.maybe_finalize_async_calls(blocking=True)
             return

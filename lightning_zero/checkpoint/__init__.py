@@ -1,11 +1,13 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
 from lightning_zero.checkpoint.convert import convert, save_pretrained
+from lightning_zero.checkpoint.metrics import CheckpointMetrics, SaveStats
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.reader import read_lightning_checkpoint
 from lightning_zero.checkpoint.saver import (
     CheckpointSaveError,
     async_save,
+    last_save_stats,
     link,
     load,
     maybe_finalize_async_calls,
@@ -22,12 +24,15 @@ from lightning_zero.checkpoint.tree import FlatShard
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointMetrics",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "FlatShard",
+    "SaveStats",
     "ZeroCheckpointIO",
     "async_save",
     "convert",
+    "last_save_stats",
     "link",
     "load",
     "load_weights",

@@ -9,6 +9,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.saver import Mode
 from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
 
@@ -36,6 +37,12 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def __repr__(self) -> str:  # storage_options may hold credentials: not shown
         return f"ZeroCheckpointIO(mode={self.mode!r}, async_save={self.async_save})"
+
+    @property
+    def last_save_stats(self) -> SaveStats | None:
+        """This rank's figures (time blocked, staging, write, commit, bytes) of its newest committed save,
+        None before the first commit. The same as :func:`lightning_zero.checkpoint.last_save_stats`."""
+        return saver.last_save_stats()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:

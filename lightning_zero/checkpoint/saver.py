@@ -306,7 +306,7 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
     fields = dict(marker_fields or {})
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
-    step = fields.get("global_step")
+    step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
     _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields, ready, stats, called),
                   stats)
