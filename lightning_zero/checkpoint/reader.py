@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.tree import FlatShard, walk
+from lightning_zero.checkpoint.tree import FlatShard, map_with_path, walk
 
 MASTERS_KEY = "lightning_zero_masters"
 """Top-level key of a ``full`` file holding the fp32 master weights of parameters kept in a lower
@@ -62,7 +62,7 @@ def _read_local(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[
             raise CheckpointCorruptError(f"Checkpoint {loc.url!r}: the rank files do not all hold {path!r}.")
         return torch.cat([s.local for s in shards]).reshape(leaf.shape)
 
-    tree = _map_with_path(files[0], whole)
+    tree = map_with_path(files[0], whole)
     if not optimizer:
         tree.pop("optimizer", None)
     return tree
@@ -101,21 +101,10 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
             return targets[path].reshape(leaf["flat_shard_shape"])
         return targets[path]
 
-    tree = _map_with_path(objects, whole, stop=lambda leaf: isinstance(leaf, dict) and "flat_shard_shape" in leaf)
+    tree = map_with_path(objects, whole, is_leaf=lambda leaf: isinstance(leaf, dict) and "flat_shard_shape" in leaf)
     if not optimizer:
         tree.pop("optimizer", None)
     return tree
-
-
-def _map_with_path(tree: Any, fn: Any, path: tuple[str, ...] = (), stop: Any = None) -> Any:
-    """Like :func:`tree.map_leaves`, with each leaf's ``/``-joined path (the DCP key)."""
-    if stop is not None and stop(tree):
-        return fn("/".join(path), tree)
-    if isinstance(tree, dict) and not isinstance(tree, FlatShard):
-        return {k: _map_with_path(v, fn, (*path, str(k)), stop) for k, v in tree.items()}
-    if isinstance(tree, list) and not all(isinstance(v, (int, float, str, bool, type(None))) for v in tree):
-        return [_map_with_path(v, fn, (*path, str(i)), stop) for i, v in enumerate(tree)]
-    return fn("/".join(path), tree)
 
 
 def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, Any]:

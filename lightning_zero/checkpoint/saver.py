@@ -44,7 +44,14 @@ from lightning_zero.checkpoint import integrity, storage
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.staging import Stager, ready_event
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.tree import FlatShard, check_same_keys, is_tensor_leaf, map_leaves, walk
+from lightning_zero.checkpoint.tree import (
+    FlatShard,
+    check_same_keys,
+    is_tensor_leaf,
+    map_leaves,
+    map_with_path,
+    walk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +389,9 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     error: str | None = None
     started = time.perf_counter()
     try:
+        if mode == "full" and rank != 0:
+            # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
+            state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
         state = stage(state, ready)
     except Exception as exc:
         error = f"rank {rank}: staging the state failed ({type(exc).__name__}: {exc})"
@@ -702,39 +712,65 @@ def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) 
             os.remove(leftover)
 
 
+GATHER_BUCKET_BYTES = 64 * 2**20
+"""Shards gathered to rank 0 together (``full`` mode, plain CheckpointIO plugins): two collectives a
+bucket instead of two a tensor, and never more than one bucket's gather buffers beyond the result."""
+
+
 def gather_tree_to_rank0(tree: Any, group: Any) -> Any:
     """(collective, every rank) Every FlatShard of ``tree`` as a whole tensor on rank 0 (None elsewhere).
 
-    Before each gather every rank says whether it could prepare its buffers (one tiny all-reduce),
-    so a rank that runs out of memory half-way makes all of them stop at the same tensor and raise,
+    Shards go in buckets of up to :data:`GATHER_BUCKET_BYTES` (consecutive, one dtype). Before each
+    bucket's gather every rank says whether it could prepare its buffers (one tiny all-reduce), so a
+    rank that runs out of memory half-way makes all of them stop at the same bucket and raise,
     instead of leaving the others in a gather it never joins (see [Note: same collectives on every rank]).
     """
+    shards = [("/".join(path), leaf) for path, leaf in walk(tree) if isinstance(leaf, FlatShard)]
     failure: list[BaseException] = []
-    gathered = map_leaves(tree, lambda leaf: _gather_to_rank0(leaf, group, failure)
-                          if isinstance(leaf, FlatShard) else leaf)
-    if failure:
-        raise failure[0]
-    return gathered
+    whole: dict[str, Tensor | None] = {}
+    for bucket in _gather_buckets(shards):
+        whole.update(_gather_bucket_to_rank0(bucket, group, failure))
+        if failure:
+            raise failure[0]
+    return map_with_path(tree, lambda path, leaf: whole[path] if isinstance(leaf, FlatShard) else leaf)
 
 
-def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException]) -> Tensor | None:
-    if failure:
-        return None  # every rank stopped at the same tensor
-    layout = shard.layout
-    if shard.world_size == 1:
-        return shard.local.reshape(shard.shape).clone()
+def _gather_buckets(shards: list[tuple[str, FlatShard]]) -> Iterator[list[tuple[str, FlatShard]]]:
+    bucket: list[tuple[str, FlatShard]] = []
+    filled = 0
+    for key, shard in shards:
+        size = shard.layout.padded_numel * shard.local.element_size()
+        if bucket and (filled + size > GATHER_BUCKET_BYTES or shard.local.dtype != bucket[0][1].local.dtype):
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append((key, shard))
+        filled += size
+    if bucket:
+        yield bucket
+
+
+def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
+                            failure: list[BaseException]) -> dict[str, Tensor | None]:
+    world_size = bucket[0][1].world_size
+    if world_size == 1:
+        return {key: shard.local.reshape(shard.shape).clone() for key, shard in bucket}
     rank = dist.get_rank()
     # The group's own device: the strategy gathers a plain CheckpointIO's file on the training group,
     # which on GPUs is NCCL and takes CUDA tensors only; the coordination group is gloo (CPU).
     device = group_device(group)
+    chunks = [shard.layout.chunk for _, shard in bucket]
     padded = gather_list = None
     try:
-        padded = torch.zeros(layout.chunk, dtype=shard.local.dtype, device=device)
-        padded[: shard.local.numel()] = shard.local
-        gather_list = [torch.empty_like(padded) for _ in range(shard.world_size)] if rank == 0 else None
+        padded = torch.zeros(sum(chunks), dtype=bucket[0][1].local.dtype, device=device)
+        offset = 0
+        for (_, shard), chunk in zip(bucket, chunks):
+            padded[offset: offset + shard.local.numel()] = shard.local
+            offset += chunk
+        gather_list = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
     except Exception as exc:
         padded = gather_list = None
-        failure.append(RuntimeError(f"rank {rank}: gathering a tensor of shape {shard.shape} to rank 0 failed"
+        largest = max((shard for _, shard in bucket), key=lambda s: s.numel)
+        failure.append(RuntimeError(f"rank {rank}: gathering a tensor of shape {largest.shape} to rank 0 failed"
                                     f" ({type(exc).__name__}: {exc})"))
     ready = torch.tensor([0 if failure else 1], dtype=torch.int32, device=device)
     try:
@@ -743,14 +779,20 @@ def _gather_to_rank0(shard: FlatShard, group: Any, failure: list[BaseException])
             if not failure:
                 failure.append(RuntimeError(f"rank {rank}: stopped the gather to rank 0 because another rank failed"
                                             " (its error names it)"))
-            return None
+            return {}
         dist.gather(padded, gather_list, dst=0, group=group)
     except Exception as exc:
         raise peer_lost(exc) from exc
     if rank != 0:
-        return None
+        return {key: None for key, _ in bucket}
     assert gather_list is not None
-    return torch.cat(gather_list)[: layout.numel].reshape(shard.shape).cpu()
+    rows = torch.stack(gather_list).cpu()  # [world_size, sum(chunks)]
+    out: dict[str, Tensor | None] = {}
+    offset = 0
+    for (key, shard), chunk in zip(bucket, chunks):
+        out[key] = rows[:, offset: offset + chunk].reshape(-1)[: shard.numel].reshape(shard.shape).clone()
+        offset += chunk
+    return out
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.tree import FlatShard, Path, walk
+from lightning_zero.checkpoint.tree import FlatShard, map_with_path, walk
 
 
 def ready_event(tree: Any) -> tuple[torch.cuda.Event, torch.device] | None:
@@ -47,24 +47,24 @@ class Stager:
     """Copies trees off the device into reused pinned host buffers (see [Note: staging on GPUs])."""
 
     def __init__(self) -> None:
-        self._host: dict[tuple[Path, tuple[int, ...], torch.dtype], Tensor] = {}
+        self._host: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None) -> Any:
         """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are."""
         if ready is None:
-            return _map_with_path(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else
-                                  t.detach().to("cpu"))
+            return _map_tensors(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else
+                                t.detach().to("cpu"))
         event, device = ready
         torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         with torch.cuda.stream(stream):
             stream.wait_event(event)
-            staged = _map_with_path(tree, self._copy)
+            staged = _map_tensors(tree, self._copy)
         stream.synchronize()
         return staged
 
-    def _copy(self, path: Path, tensor: Tensor) -> Tensor:
+    def _copy(self, path: str, tensor: Tensor) -> Tensor:
         tensor = tensor.detach()
         if tensor.device.type == "cpu":
             return tensor.clone()
@@ -90,14 +90,12 @@ def _tensors(tree: Any) -> list[Tensor]:
     return out
 
 
-def _map_with_path(tree: Any, fn: Any, path: Path = ()) -> Any:
-    if isinstance(tree, FlatShard):
-        return FlatShard(fn(path, tree.local), tree.shape, tree.rank, tree.world_size)
-    if isinstance(tree, Tensor):
-        return fn(path, tree)
-    if isinstance(tree, dict):
-        return {k: _map_with_path(v, fn, (*path, str(k))) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        mapped = [_map_with_path(v, fn, (*path, str(i))) for i, v in enumerate(tree)]
-        return mapped if isinstance(tree, list) else tuple(mapped)
-    return tree
+def _map_tensors(tree: Any, fn: Any) -> Any:
+    """``fn(path, tensor)`` on every tensor of ``tree``, a flat shard's local part included."""
+
+    def leaf(path: str, value: Any) -> Any:
+        if isinstance(value, FlatShard):
+            return FlatShard(fn(path, value.local), value.shape, value.rank, value.world_size)
+        return fn(path, value) if isinstance(value, Tensor) else value
+
+    return map_with_path(tree, leaf)

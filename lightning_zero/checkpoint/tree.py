@@ -66,6 +66,20 @@ def map_leaves(tree: Any, fn: Callable[[Leaf], Any]) -> Any:
     return fn(tree)
 
 
+def map_with_path(tree: Any, fn: Callable[[str, Leaf], Any], path: Path = (),
+                  is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """:func:`map_leaves` with each leaf's ``/``-joined path (its key in DCP and in checkpoint files).
+    ``is_leaf`` marks containers to hand to ``fn`` whole."""
+    if is_leaf is not None and is_leaf(tree):
+        return fn("/".join(path), tree)
+    if isinstance(tree, dict):
+        return {key: map_with_path(value, fn, (*path, str(key)), is_leaf) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)) and not _is_plain_sequence(tree):
+        mapped = [map_with_path(value, fn, (*path, str(i)), is_leaf) for i, value in enumerate(tree)]
+        return mapped if isinstance(tree, list) else tuple(mapped)
+    return fn("/".join(path), tree)
+
+
 def _is_plain_sequence(seq: list | tuple) -> bool:
     """A list of numbers/strings (betas, param names) is one leaf, not a subtree."""
     return all(isinstance(v, (int, float, str, bool, type(None))) for v in seq)
