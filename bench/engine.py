@@ -150,7 +150,7 @@ class BenchSettings:
     timed_rounds: int
     """Rounds of one step per method; see [Note: interleaving]."""
     bucket_size_mb: float
-    """Our engine's bucket capacity (its default)."""
+    """Our engine's bucket capacity (25: its floor, DDP's default)."""
     lr: float = 1e-3
     weight_decay: float = 0.1
     seed: int = 1234
@@ -789,6 +789,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small model, few rounds (a smoke run)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {FULL.timed_rounds})")
+    parser.add_argument("--bucket-size-mb", type=float, default=None,
+                        help=f"zero1/zero2 bucket capacity (default {FULL.bucket_size_mb})")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
     args = parser.parse_args(argv)
     if any(ws < 2 for ws in args.world_sizes):
@@ -803,6 +805,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = QUICK if args.quick else FULL
     if args.rounds is not None:
         settings = dataclasses.replace(settings, timed_rounds=args.rounds)
+    if args.bucket_size_mb is not None:
+        settings = dataclasses.replace(settings, bucket_size_mb=args.bucket_size_mb)
     command = " ".join([".venv/bin/python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
     results: list[MethodResult] = []
