@@ -14,7 +14,8 @@ and two norms, plus embedding, final norm and an untied head: 291 tensors), narr
 so it fits in memory; a variant with 8 blocks (75 tensors) separates growth in tensor count from
 growth in world size. Times are per step (forward, backward, ``ensure_flushed``, ``step``,
 ``finish_param_gather``, ``zero_grad``) and for the same model with plain PyTorch (no engine, the
-optimizer over the full parameters), median of the timed steps, one thread.
+optimizer over the full parameters), alternating step by step with the engine's, medians of the
+timed steps and of the per-round difference, one thread.
 
 Not simulated: the save/load planning of a ``sharded`` checkpoint. DCP's planner gathers every
 rank's plan to the coordinator; with the fake group this rank would see only its own plan, so the
@@ -130,6 +131,7 @@ class ScaleResult:
     buckets: int
     engine_step_ms: float
     plain_step_ms: float
+    overhead_ms: float  # median over rounds of (engine step - plain step)
     master_bytes: int
     state_bytes: int
     grad_shard_bytes: int
@@ -143,20 +145,31 @@ def batch(step: int, vocab: int = 512) -> tuple[Tensor, Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def time_steps(model: nn.Module, engine: ZeroEngine | None, optimizer: torch.optim.Optimizer, steps: int) -> float:
-    times = []
-    for step in range(steps + 1):  # step 0 warms up (lazy optimizer state, pool slots)
-        start = time.perf_counter()
-        model(*batch(step)).backward()
-        if engine is not None:
-            engine.ensure_flushed()
-        optimizer.step()
-        if engine is not None:
-            engine.finish_param_gather()
-        optimizer.zero_grad()
+def one_step(model: nn.Module, engine: ZeroEngine | None, optimizer: torch.optim.Optimizer, step: int) -> float:
+    start = time.perf_counter()
+    model(*batch(step)).backward()
+    if engine is not None:
+        engine.ensure_flushed()
+    optimizer.step()
+    if engine is not None:
+        engine.finish_param_gather()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
+
+
+def paired_steps(plain: tuple[nn.Module, torch.optim.Optimizer], zero: tuple[nn.Module, ZeroEngine, Any],
+                 steps: int) -> tuple[float, float, float]:
+    """Plain and engine steps alternate (a load spike hits both); medians of the plain step, the
+    engine step and the per-round difference, in ms. Step 0 of each warms up (lazy state, pool)."""
+    plain_s, zero_s = [], []
+    for step in range(steps + 1):
+        p = one_step(plain[0], None, plain[1], step)
+        z = one_step(zero[0], zero[1], zero[2], step)
         if step:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+            plain_s.append(p)
+            zero_s.append(z)
+    diffs = [z - p for z, p in zip(zero_s, plain_s, strict=True)]
+    return (statistics.median(plain_s) * 1000, statistics.median(zero_s) * 1000, statistics.median(diffs) * 1000)
 
 
 def simulate(world_size: int, blocks: int, steps: int, bucket_size_mb: float | None) -> ScaleResult:
@@ -166,19 +179,19 @@ def simulate(world_size: int, blocks: int, steps: int, bucket_size_mb: float | N
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         plain = NarrowLlama(blocks)
-        plain_ms = time_steps(plain, None, torch.optim.AdamW(plain.parameters(), lr=1e-3), steps)
         model = NarrowLlama(blocks)
         with filled_collectives(rank, world_size):
             engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)],
                                 ZeroConfig(stage=2, bucket_size_mb=bucket_size_mb))
             opt = engine.optimizers[0]
-            engine_ms = time_steps(model, engine, opt, steps)
+            plain_ms, engine_ms, overhead_ms = paired_steps(
+                (plain, torch.optim.AdamW(plain.parameters(), lr=1e-3)), (model, engine, opt), steps)
         state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                           if isinstance(v, Tensor) and v.dim() > 0)
         result = ScaleResult(
             world_size=world_size, blocks=blocks, tensors=len(list(model.parameters())),
             numel=sum(p.numel() for p in model.parameters()), buckets=len(engine.buckets),
-            engine_step_ms=engine_ms, plain_step_ms=plain_ms,
+            engine_step_ms=engine_ms, plain_step_ms=plain_ms, overhead_ms=overhead_ms,
             master_bytes=sum(b.master_shard.numel() * b.master_shard.element_size() for b in engine.buckets),
             state_bytes=state_bytes,
             grad_shard_bytes=sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in engine.buckets),
@@ -199,12 +212,12 @@ def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_si
         " is rank 0 (the busiest: a full chunk of every tensor); batch 1 x 8 tokens, so compute is small and the engine's host work shows.",
         "",
         "| world size | blocks | tensors | parameters | buckets | engine step ms | plain PyTorch step ms "
-        "| engine - plain, µs per tensor | master B/rank vs total/ws | optimizer state vs total/ws "
+        "| engine - plain (paired), µs per tensor | master B/rank vs total/ws | optimizer state vs total/ws "
         "| grad shard vs total/ws | padding bound (tensors x 1 element) vs total/ws |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
-        extra_us = (r.engine_step_ms - r.plain_step_ms) * 1000 / r.tensors
+        extra_us = r.overhead_ms * 1000 / r.tensors
         lines.append(
             f"| {r.world_size} | {r.blocks} | {r.tensors} | {r.numel:,} | {r.buckets} | {r.engine_step_ms:.1f} "
             f"| {r.plain_step_ms:.1f} | {extra_us:.0f} | {r.per_rank_vs_even(r.master_bytes, 4):.4f} "
@@ -231,10 +244,11 @@ def growth_lines(results: list[ScaleResult]) -> list[str]:
         for ws in sizes:
             small, big = by_key.get((ws, blocks[0])), by_key.get((ws, blocks[-1]))
             if small and big:
-                over = lambda r: r.engine_step_ms - r.plain_step_ms  # noqa: E731
-                out.append(f"- ws={ws}: engine overhead over plain PyTorch {over(small):.1f} ms for {small.tensors}"
-                           f" tensors, {over(big):.1f} ms for {big.tensors} ({over(big) / max(over(small), 1e-9):.2f}x"
-                           f" for {big.tensors / small.tensors:.2f}x the tensors).")
+                out.append(f"- ws={ws}: engine step {small.engine_step_ms:.1f} ms for {small.tensors} tensors,"
+                           f" {big.engine_step_ms:.1f} ms for {big.tensors}"
+                           f" ({big.engine_step_ms / small.engine_step_ms:.2f}x for {big.tensors / small.tensors:.2f}x"
+                           f" the tensors); paired overhead over plain PyTorch {small.overhead_ms:.1f} ms and"
+                           f" {big.overhead_ms:.1f} ms.")
     return out
 
 
@@ -243,14 +257,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2 timed steps, world sizes 8 and 1024")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 15)")
     parser.add_argument("--bucket-size-mb", type=float, default=None, help="default: scale with the world size")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "scale.md")
     args = parser.parse_args(argv)
     if args.world_sizes is None:
         args.world_sizes = [8, 1024] if args.quick else [8, 64, 512, 1024]
     if args.steps is None:
-        args.steps = 2 if args.quick else 5
+        args.steps = 2 if args.quick else 15
     if any(ws < 2 for ws in args.world_sizes):
         parser.error(f"--world-sizes must all be >= 2, got {args.world_sizes}")
     return args

@@ -141,7 +141,8 @@ class ZeroEngine:
         }
         self.pool = BufferPool()
         self.gather_group = _gather_group(group, config, self.world_size)
-        self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication)
+        self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
+                                      background=config.overlap_param_gather and self.world_size > 1)
         self.reducer = GradReducer(self.buckets, config.stage, group, config.overlap_communication, self.pool,
                                    before_first_reduction=self.finish_param_gather)
         self.optimizers = [
@@ -293,9 +294,9 @@ class _GuardedParameters(dict):  # type: ignore[type-arg]
     [Note: guarded parameter reads] Every way to a parameter through its module goes through
     this dict: ``module.weight`` (``nn.Module.__getattr__``: ``__getitem__``), ``parameters()``,
     ``named_parameters()``, ``state_dict()``, ``load_state_dict()``, ``to()`` (``items()``). An
-    attribute read waits only for the bucket holding that parameter, in launch order, launching
-    the next gathers as slots free up, so a forward waits exactly as far as it has got: this is
-    the forward pre-hook of Megatron's ``overlap_param_gather`` at the finest grain, and it also
+    attribute read waits only for the bucket holding that parameter (and, being in order, the
+    ones before it), so a forward waits exactly as far as it has got: this is the forward
+    pre-hook of Megatron's ``overlap_param_gather`` at the finest grain, and it also
     covers reads no pre-hook sees (``nn.MultiheadAttention`` passing ``out_proj.weight`` to a
     functional call without calling ``out_proj``; a parameter of the LightningModule itself used
     in ``training_step``, which is not a ``forward``). Iterating finishes every gather. Only a

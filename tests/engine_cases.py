@@ -297,8 +297,11 @@ class Deep(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(7 if i == 0 else 16, 16) for i in range(6))
         self.out = nn.Linear(16, 7)
 
-    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: bool = False, early_exit: bool = False) -> torch.Tensor:
+        """``early_exit``: only the first three layers (the rest of the buckets are never read)."""
         for i, layer in enumerate(self.layers):
+            if early_exit and i == 3:
+                return x[..., :7]
             if not (skip and i == 3):
                 x = torch.tanh(layer(x))
         return self.out(x)
@@ -333,14 +336,13 @@ def run_gather_overlap(rank: int, world_size: int, steps: int = 4) -> dict[str, 
     plain_model, plain_engine = _deep_engine(overlap_param_gather=False)
     in_flight: list[int] = []
     engine.gatherer.launch_hook = lambda g: in_flight.append(g.in_flight)
-    last_layer_weight = model.layers[5].weight  # a reference taken before the step bypasses the guard
+    last_layer_weight = model.layers[5].weight  # a reference taken before the step: exact only after finish
     observations: dict[str, Any] = {"max_in_flight_allowed": MAX_IN_FLIGHT}
     for step in range(steps):
         _deep_step(model, engine, step, rank, world_size)
         _deep_step(plain_model, plain_engine, step, rank, world_size)
     expected = {n: p.detach().clone() for n, p in plain_model.named_parameters()}
     observations["pending_after_step"] = engine.gatherer.pending
-    observations["stale_reference_differs"] = not torch.equal(last_layer_weight.detach(), expected["layers.5.weight"])
     # Only the first layer's parameters: the gathers of the later layers must still be pending.
     first = model.layers[0].weight.detach().clone()
     observations["first_layer_exact"] = torch.equal(first, expected["layers.0.weight"])
@@ -513,3 +515,47 @@ def run_device_audit(rank: int, world_size: int, stage: int) -> dict[str, Any]:
             torch.set_default_device(None)
     return {"violations": violations, "params": params, "fallback_device": str(fallback_device),
             "devices": sorted({str(t.device) for t in params.values()})}
+
+
+def run_collective_mid_step(rank: int, world_size: int, steps: int, shared_group: bool = False) -> dict[str, Any]:
+    """Rank 1 exits after three layers in odd steps, so its forward launches fewer gathers than
+    rank 0's; between forward and backward every rank all-reduces its loss on the default group
+    (what ``self.log(..., sync_dist=True)`` does). ``shared_group`` puts the gathers on the
+    default group as well, to show what the dedicated group prevents."""
+    import torch.distributed as dist
+
+    from lightning_zero import engine as engine_module
+
+    patch = mock.patch.object(engine_module, "_gather_group", lambda group, *_: group)
+    with patch if shared_group else contextlib.nullcontext():
+        model, engine = _deep_engine(overlap_param_gather=True)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, 0, world_size)
+        early = rank == 1 and step % 2 == 1
+        loss = F.mse_loss(model(x.chunk(world_size)[rank], early_exit=early), y.chunk(world_size)[rank])
+        synced = loss.detach().clone()
+        dist.all_reduce(synced)
+        losses.append(synced.item())
+        loss.backward()
+        engine.ensure_flushed()
+        engine.optimizers[0].step()
+        engine.optimizers[0].zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return {"params": params, "losses": losses}
+
+
+def deep_early_exit_reference(world_size: int, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, 0, world_size)
+        slices = [F.mse_loss(model(xs, early_exit=(r == 1 and step % 2 == 1)), ys)
+                  for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True))]
+        losses.append(sum(float(v.detach()) for v in slices))
+        (sum(slices) / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
