@@ -81,7 +81,8 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
         targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
         # A fresh reader: DCP's load sets it up for this plan.
-        dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, found is not None), no_dist=True)
+        checked = found is not None and found.get("tensors") is not None
+        dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, checked), no_dist=True)
     except CheckpointException as exc:
         cause = saver._dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):

@@ -916,7 +916,7 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
     if found is not None:
         integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
         integrity.verify(objects, found, objects_file, loc.url)
-    reader = _dcp_reader(loc, version_dir, require_checksums=found is not None)
+    reader = _dcp_reader(loc, version_dir, require_checksums=found is not None and found.get("tensors") is not None)
     metadata = _read_dcp_metadata(loc, reader)
     save_id = marker.get("save_id")
     if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:
