@@ -5,12 +5,17 @@ Usable without Lightning (Fabric or a plain loop)::
     engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters())], ZeroConfig(stage=2))
     opt = engine.optimizers[0]
     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
+    engine.finish_param_gather()  # only before reading a parameter through an old reference
+
+With ``overlap_param_gather`` (the default) ``opt.step()`` returns with the parameter
+all-gathers still running; reads through the module wait for what they touch ([Note: guarded
+parameter reads]). Call :meth:`ZeroEngine.close` when done: it finishes them and removes the hooks.
 
 [Note: accumulation] Stage 2 reduce-scatters every micro-batch and adds the result to the
 fp32 shard gradient, so a full gradient never outlives its bucket (memory is the point of
 stage 2). Stage 1 holds full gradients anyway, so inside :meth:`ZeroEngine.no_sync` it lets
-them accumulate locally and all-reduces once, on the micro-batch that ends the window.
-Either way the result equals one big batch.
+them accumulate locally and reduces once (all-reduce on gloo, reduce-scatter where native), on
+the micro-batch that ends the window. Either way the result equals one big batch.
 """
 
 from __future__ import annotations

@@ -23,12 +23,14 @@ from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupt
 from conftest_s3 import s3  # noqa: F401
 from hf_cases import GPT2Module, fixed_input, token_loader
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_cases import NetModule, loader
 from s3_server import S3
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy
 from lightning_zero.checkpoint import convert, save_pretrained
 
 pytestmark = pytest.mark.slow
@@ -122,6 +124,22 @@ def test_save_pretrained_of_the_live_module_gives_the_trained_logits(gpt2_run: A
     save_pretrained(module, str(tmp_path))
     assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
     assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(str(tmp_path))), logits_of(module))
+
+
+def test_hf_folder_of_a_bf16_true_run_keeps_bf16_and_the_trained_logits(tmp_path: Path) -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroLowLevelStrategy(stage=2, start_method="forkserver"),
+                      plugins=[ZeroCheckpointIO(mode="sharded")], precision="bf16-true",
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_last=True)], max_epochs=1,
+                      use_distributed_sampler=False, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path))
+    module = GPT2Module()
+    trainer.fit(module, token_loader(2))
+    # The main process got rank 0's bf16 weights upcast; cast back, they are the trained bf16 values.
+    module.to(torch.bfloat16)
+    convert(str(tmp_path / "ckpts" / "last.ckpt"), str(tmp_path / "hf"), to="hf")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert torch.equal(logits_of(loaded), logits_of(module))
 
 
 def test_hf_export_of_a_module_without_transformers_model_names_the_fix(net_run: Any, tmp_path: Path) -> None:

@@ -44,6 +44,11 @@ def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
     prefix = hf["prefix"]
     state_dict = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     model = _pretrained_from(hf["class"], hf["config"])
+    # In the dtype it was trained in (a `bf16-true` run: bf16), as save_pretrained of the live module
+    # writes it; built in fp32, the folder would hold upcast weights and load as another model.
+    dtypes = {v.dtype for v in state_dict.values() if v.is_floating_point()}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
     model.load_state_dict(state_dict, strict=True)
     _save_pretrained(model, out, max_shard_size)
     return out.url

@@ -1,0 +1,275 @@
+"""One prepared script for what CPU runs cannot show about the engine; run it on one GPU.
+
+    .venv/bin/python bench/gpu_check.py          # < 5 minutes on one GPU; exit status 1 on any FAIL
+
+Every check prints one line, ``PASS``, ``FAIL`` or ``SKIP`` with the reason. On a machine without
+CUDA the CPU-able checks run (gloo instead of NCCL, RSS instead of CUDA memory statistics) and the
+CUDA-only ones print ``SKIP``; ``tests/test_gpu_check.py`` runs it that way. Checks:
+
+1. ZeRO-2 at world size 1 equals plain PyTorch, bit for bit, in fp32 (AdamW on the parameters)
+   and bf16-true (against a plain fp32-master loop: bf16 model, fp32 copies, AdamW on the copies),
+   over NCCL on a GPU (gloo on CPU), with the parameter gather overlapped.
+2. (CUDA) no host synchronisation in forward (the overlapped gather's waits), backward and
+   ``ensure_flushed`` (``torch.cuda.set_sync_debug_mode("error")``), and exactly one in the step:
+   the once-per-step presence read ([Note: presence on the device] in buckets.py).
+3. Step memory at world size 8 (fake process group, one process): the step's peak above its start
+   is at most 0.3x the parameters' bytes (CUDA: ``max_memory_allocated``; CPU: peak RSS).
+4. (CUDA) every bucket buffer and shard lives on the GPU, and the reductions use NCCL's native
+   reduce-scatter for both stages.
+
+The checkpoint items of issue 8 (pinned staging off the training stream, a step with a save in
+flight <= 1.15x, the NCCL save paths) belong to the checkpoint code and are listed as ``TODO``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PeakRSS, free_port, release_free_memory  # noqa: E402
+from scale import NarrowLlama, batch, filled_collectives  # noqa: E402
+
+from lightning_zero.buckets import MAX_IN_FLIGHT  # noqa: E402
+from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
+
+MAX_STEP_PEAK_VS_PARAMS = 0.3
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    return torch.device("cuda", 0) if cuda() else torch.device("cpu")
+
+
+def init_one_rank(backend: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    kwargs = {"device_id": device()} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=0, world_size=1, **kwargs)
+
+
+def small_model(dtype: torch.dtype) -> NarrowLlama:
+    return NarrowLlama(blocks=2).to(device=device(), dtype=dtype)
+
+
+def tokens(step: int) -> tuple[Tensor, Tensor]:
+    x, y = batch(step)
+    return x.to(device()), y.to(device())
+
+
+def zero_run(dtype: torch.dtype, steps: int) -> dict[str, Tensor]:
+    model = small_model(dtype)
+    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-2)], ZeroConfig(stage=2, bucket_size_mb=0.05))
+    opt = engine.optimizers[0]
+    for step in range(steps):
+        model(*tokens(step)).float().backward()
+        engine.ensure_flushed()
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}  # finishes the gathers
+    engine.close()
+    return params
+
+
+def plain_run(dtype: torch.dtype, steps: int) -> dict[str, Tensor]:
+    """Plain PyTorch; below fp32 with fp32 master copies, the semantics ZeRO's masters give."""
+    model = small_model(dtype)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters if dtype != torch.float32 else list(model.parameters()), lr=1e-2)
+    for step in range(steps):
+        model(*tokens(step)).float().backward()
+        if dtype != torch.float32:
+            for master, p in zip(masters, model.parameters(), strict=True):
+                master.grad = p.grad.float() if p.grad is not None else None
+        opt.step()
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for master, p in zip(masters, model.parameters(), strict=True):
+                    p.copy_(master)
+        opt.zero_grad()
+        model.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_equivalence() -> str:
+    backend = "nccl" if cuda() else "gloo"
+    init_one_rank(backend)
+    # Bit equality needs the same kernels on both sides: the math attention (flash/efficient
+    # backward accumulates with atomics) and deterministic algorithms elsewhere.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        details = []
+        for dtype in (torch.float32, torch.bfloat16):
+            with sdpa_kernel([SDPBackend.MATH]):
+                zero, plain = zero_run(dtype, steps=3), plain_run(dtype, steps=3)
+            differ = [n for n in plain if not torch.equal(zero[n], plain[n])]
+            if differ:
+                worst = max((zero[n].float() - plain[n].float()).abs().max().item() for n in differ)
+                raise CheckFailed(f"{dtype}: {len(differ)}/{len(plain)} tensors differ (max {worst:.3g}), e.g. {differ[:3]}")
+            details.append(f"{str(dtype).removeprefix('torch.')} bit-identical over {len(plain)} tensors")
+        return f"{backend}, world size 1, 3 AdamW steps: " + "; ".join(details)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        dist.destroy_process_group()
+
+
+def check_no_host_sync() -> str:
+    init_one_rank("nccl")
+    try:
+        model = small_model(torch.bfloat16)
+        engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-2)],
+                            ZeroConfig(stage=2, bucket_size_mb=0.05, reduce_dtype="float32"))
+        opt = engine.optimizers[0]
+        step_syncs = []
+        for step in range(3):
+            x, y = tokens(step)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = model(x, y).float()  # waits on the overlapped gathers of the previous step
+                loss.backward()
+                engine.ensure_flushed()
+            except RuntimeError as exc:
+                raise CheckFailed(f"step {step}: host sync in forward/backward: {exc}") from exc
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                    opt.zero_grad()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            step_syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        engine.close()
+        if any(n > 1 for n in step_syncs):
+            raise CheckFailed(f"host syncs per step {step_syncs}: more than the one presence read")
+        return f"forward+backward: none in 3 steps; step: {step_syncs} (the presence read)"
+    finally:
+        dist.destroy_process_group()
+
+
+def check_step_memory() -> str:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = 8
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        model = NarrowLlama(blocks=8, d=256, ff=688, heads=4).to(device())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        with filled_collectives(0, world_size):
+            engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)],
+                                ZeroConfig(stage=2, bucket_size_mb=4.0))
+            opt = engine.optimizers[0]
+            growth = 0
+            for step in range(3):  # the first step grows the pool's slots; the last is measured
+                model(*tokens(step)).backward()
+                engine.ensure_flushed()
+                if cuda():
+                    torch.cuda.synchronize()
+                    start = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    opt.step()
+                    engine.finish_param_gather()
+                    torch.cuda.synchronize()
+                    growth = torch.cuda.max_memory_allocated() - start
+                else:
+                    release_free_memory()
+                    with PeakRSS() as peak:
+                        opt.step()
+                        engine.finish_param_gather()
+                    growth = peak.growth
+                opt.zero_grad()
+            pool = engine.pool.nbytes
+            buckets = len(engine.buckets)
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+    ratio = growth / param_bytes
+    what = "CUDA max_memory_allocated" if cuda() else "peak RSS"
+    detail = (f"{what} growth {growth / 2**20:.1f} MiB = {ratio:.3f}x of {param_bytes / 2**20:.1f} MiB parameters"
+              f" (fake group, world size {world_size}, {buckets} buckets; pool {pool / 2**20:.1f} MiB ="
+              f" {MAX_IN_FLIGHT} slots)")
+    if ratio > MAX_STEP_PEAK_VS_PARAMS:
+        raise CheckFailed(detail)
+    return detail
+
+
+def check_device_placement() -> str:
+    init_one_rank("nccl")
+    try:
+        for stage in (1, 2):
+            model = small_model(torch.float32)
+            engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters())], ZeroConfig(stage=stage))
+            model(*tokens(0)).backward()
+            engine.ensure_flushed()
+            engine.optimizers[0].step()
+            engine.finish_param_gather()
+            tensors = [t for b in engine.buckets for t in (b.master_shard, b.grad_shard, b.present_count)]
+            tensors += [t for (_, t) in engine.pool._storage.items()]
+            off = [str(t.device) for t in tensors if t.device.type != "cuda"]
+            if off or not engine.reducer.reduce_scatter:
+                raise CheckFailed(f"stage {stage}: tensors on {off}; reduce_scatter={engine.reducer.reduce_scatter}")
+            engine.close()
+        return "stage 1 and 2: shards, flags and pool slots on cuda; native reduce-scatter on both stages"
+    finally:
+        dist.destroy_process_group()
+
+
+CHECKS: list[tuple[str, bool, Callable[[], str]]] = [
+    ("zero2 equals plain PyTorch at world size 1 (fp32, bf16-true)", False, check_equivalence),
+    ("no host sync in forward/backward, one in the step", True, check_no_host_sync),
+    ("step peak memory <= 0.3x parameter bytes at world size 8 (fake group)", False, check_step_memory),
+    ("buffers on the GPU, native reduce-scatter on NCCL", True, check_device_placement),
+]
+TODO = [
+    "checkpoint staging: pinned, reused host buffers on a side stream ordered by an event",
+    "a training step with an async save in flight <= 1.15x a step without",
+    "NCCL save paths of a plain TorchCheckpointIO/AsyncCheckpointIO (CPU tensors on an NCCL group)",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    start = time.perf_counter()
+    where = f"CUDA {torch.cuda.get_device_name()}" if cuda() else "CPU only (no CUDA)"
+    print(f"gpu_check: torch {torch.__version__}, {where}")
+    failures = 0
+    for name, needs_cuda, check in CHECKS:
+        if needs_cuda and not cuda():
+            print(f"SKIP {name}: needs a CUDA GPU")
+            continue
+        try:
+            print(f"PASS {name}: {check()}", flush=True)
+        except CheckFailed as exc:
+            failures += 1
+            print(f"FAIL {name}: {exc}", flush=True)
+    for item in TODO:
+        print(f"TODO {item}: not in this script yet (checkpoint code)")
+    print(f"gpu_check: {failures} failed, {time.perf_counter() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    sys.exit(main())
