@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -749,6 +750,8 @@ def _torch_load(loc: Location, path: str) -> Any:
         raise storage.storage_error(loc, "read", exc) from exc
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointCorruptError(storage.refused_pickle(loc.url, f"file {path!r}", exc)) from None
     except Exception as exc:
         raise CheckpointCorruptError(
             f"Could not read {path!r} of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the file is"
