@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning_cases import NetModule
 
 from lightning_zero.checkpoint import FlatShard
 
@@ -221,3 +222,18 @@ def train_while_a_peer_dies(rank: int, world_size: int, victim: int, how: str) -
             opt.step()
 
     return timed(steps)
+
+
+
+# ---- bad input during training -------------------------------------------------------------
+
+
+class NaNOnRank1(NetModule):
+    """The Lightning cases' module whose rank-1 half of the batch at step 1 holds an infinity."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if batch_idx == 1:
+            x = x.clone()
+            x[x.shape[0] // 2:] = float("inf")  # rank 1's half of the global batch
+        return super().training_step((x, y), batch_idx)
