@@ -36,6 +36,7 @@ test-fast: install
 bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/trainer_checkpoint.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -12,6 +12,7 @@ Lightning's own checkpoint format (see :mod:`lightning_zero.checkpoint.trainer` 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
     try:
         # A fresh reader: DCP's load sets it up for this plan.
         checked = found is not None and found.get("tensors") is not None
-        dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, checked), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, checked), no_dist=True)
     except CheckpointException as exc:
         cause = saver._dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import pickle
 import threading
 import time
@@ -223,6 +224,21 @@ class _AsyncSaver:
 _SAVER = _AsyncSaver()
 
 
+def _forget_after_fork() -> None:
+    """[Note: fork] A forked process inherits the saver's objects but none of its threads: a worker
+    thread made in the parent (Lightning's spawn/fork launcher removes its weights file through the
+    plugin in the main process) would leave the child's first save queued forever, and the parent's
+    process groups are not the child's. The child starts with none of them."""
+    global _SAVER, _coordination_group, _device_mesh
+    _SAVER = _AsyncSaver()
+    _coordination_group = None
+    _device_mesh = None
+    _READ_AHEAD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 # ---- public functional API ----------------------------------------------------------------
 
 
@@ -367,8 +383,6 @@ def _preflight(loc: Location, mode: Mode, rank: int) -> str | None:
         except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
             pass
         return None
-    import os
-
     directory = loc.data_root() if mode != "full" else (loc.parent or ".")
     probe = f"{directory}/.lightning_zero-probe-{uuid.uuid4().hex[:8]}"
     try:
@@ -395,8 +409,6 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
     close; a partial upload left by a failure is never referenced (the marker is written last).
     """
     if loc.is_local:
-        import os
-
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             _save_keeping_write_errors(obj, f)
@@ -574,7 +586,6 @@ def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) 
         _torch_save_to(loc, loc.path, full)
         return
     import glob
-    import os
 
     tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
