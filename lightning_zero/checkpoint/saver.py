@@ -95,13 +95,9 @@ def coordination_group() -> Any:
 
 def training_timeout() -> timedelta:
     """The default process group's timeout (what the strategy's ``timeout`` set), else 30 minutes."""
-    world = dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-        except Exception:  # no backend for this device type (NCCL has no CPU one); try the next
-            continue
-    return timedelta(minutes=30)
+    from lightning_zero._collectives import process_group_timeout
+
+    return process_group_timeout()
 
 
 def _all_gather_objects(value: Any, group: Any) -> list[Any]:
