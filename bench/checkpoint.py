@@ -24,6 +24,7 @@ Usage::
     .venv/bin/python bench/checkpoint.py                 # 512 MiB of state, 5 repeats (make bench)
     .venv/bin/python bench/checkpoint.py --quick         # 64 MiB, smoke run
     .venv/bin/python bench/checkpoint.py --size-mb 1024 --repeats 5 --reshard-world-sizes 1 3
+    .venv/bin/python bench/checkpoint.py --integrity     # only: write/load rate with and without checksums
 
 The markdown report goes to stdout and to ``bench/out/checkpoint.md``.
 """
@@ -31,6 +32,7 @@ The markdown report goes to stdout and to ``bench/out/checkpoint.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -468,6 +470,78 @@ def world_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
             "peak_rss": max_over_ranks(peak_rss_bytes())}
 
 
+# ---- the cost of the checksums (--integrity) ---------------------------------------------------
+
+
+def integrity_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
+    """Synchronous save, then load (page cache dropped), of the same state in every mode, with the
+    CRC32 checksums (lightning_zero.checkpoint.integrity) and without them, interleaved."""
+    from lightning_zero.checkpoint import integrity
+
+    trainer = build_trainer(settings, rank)
+    ckpt_saver.prepare()
+    trainer.forward_backward()
+    trainer.optimizer_step()
+    tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model)
+    ctx = Ctx(settings, rank, world_size, trainer, None, memoryview(b""), tree_bytes(tree))
+    del tree
+    for repeat in range(-1, settings.repeats):  # -1: warm-up, not recorded
+        modes = MODES_ALL if repeat % 2 == 0 else MODES_ALL[::-1]
+        for mode in modes:
+            for checked in (True, False) if repeat % 2 == 0 else (False, True):
+                label = f"{mode}-{'crc' if checked else 'nocrc'}"
+                path = ctx.path(repeat, label)
+                guard = contextlib.nullcontext() if checked else integrity.checksums_disabled()
+                with guard:
+                    ctx.barrier()
+                    start = now()
+                    save(ckpt_state.zero_state_dict(trainer.engine, trainer.model), path, mode=mode)
+                    saved = now() - start
+                    ctx.barrier()
+                    if rank == 0:
+                        drop_page_cache(os.path.dirname(path))
+                    ctx.barrier()
+                    start = now()
+                    load(ckpt_state.zero_state_dict(trainer.engine, trainer.model, for_load=True), path)
+                    loaded = now() - start
+                if repeat >= 0:
+                    ctx.record(f"integrity_{label}", {"save": saved, "load": loaded})
+                ctx.cleanup(repeat, label)
+    sample = torch.randn(64 * MIB // 4)
+    start = now()
+    integrity.crc32_of(sample)
+    crc_rate = sample.numel() * 4 / (now() - start)
+    return {"records": ctx.records, "rank_bytes": ctx.rank_bytes, "crc_rate": crc_rate}
+
+
+MODES_ALL = ("local", "sharded", "full")
+
+
+def build_integrity_report(settings: Settings, result: dict[str, Any], command: str, elapsed: float,
+                           machine: str) -> str:
+    total = result["rank_bytes"] * settings.world_size
+    lines = [
+        "# Checkpoint integrity: the cost of the CRC32 checksums", "",
+        f"Command: `{command}` ({elapsed:.0f} s). {machine}", "",
+        f"{total / MIB:.0f} MiB of state over {settings.world_size} gloo ranks; synchronous `save` then `load` of"
+        f" the same state (page cache dropped before each load), median of {settings.repeats} interleaved"
+        " repeats, slowest rank. Rate = all ranks' bytes / time. `zlib.crc32` alone:"
+        f" {result['crc_rate'] / MB:.0f} MB/s on one core.", "",
+        "| mode | save MB/s with | save MB/s without | save cost | load MB/s with | load MB/s without | load cost |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode in MODES_ALL:
+        rates = {}
+        for checked in ("crc", "nocrc"):
+            records = result["records"][f"integrity_{mode}-{checked}"]
+            rates[checked] = {key: total / median(slowest(records, key)) / MB for key in ("save", "load")}
+        cost = {key: rates["nocrc"][key] / rates["crc"][key] - 1 for key in ("save", "load")}
+        lines.append(f"| {mode} | {rates['crc']['save']:.0f} | {rates['nocrc']['save']:.0f} | {cost['save']:+.0%} |"
+                     f" {rates['crc']['load']:.0f} | {rates['nocrc']['load']:.0f} | {cost['load']:+.0%} |")
+    lines += ["", "Cost = how much longer the operation takes with checksums (+10% = 1.1x the time)."]
+    return "\n".join(lines) + "\n"
+
+
 # ---- the resharding loads -------------------------------------------------------------------
 
 
@@ -701,12 +775,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--reshard-world-sizes", type=int, nargs="+", default=None,
                         help="world sizes that load the 2-rank checkpoint (default: 1 3; --quick: 1)")
     parser.add_argument("--dir", default="/tmp", help="parent of the checkpoint directory (default /tmp)")
-    parser.add_argument("--out", type=Path, default=OUT_DIR / "checkpoint.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="report file (default bench/out/checkpoint.md; --integrity: checkpoint-integrity.md)")
+    parser.add_argument("--integrity", action="store_true",
+                        help="only the cost of the checksums: save/load rate with and without (128 MiB, 3 repeats)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.integrity:
+        main_integrity(args, argv)
+        return
+    args.out = args.out or OUT_DIR / "checkpoint.md"
     size_mb = args.size_mb or (64 if args.quick else 512)
     reshard = tuple(args.reshard_world_sizes or ((1,) if args.quick else (1, 3)))
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
@@ -737,6 +818,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+
+
+def main_integrity(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
+    os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="lz-ckpt-integrity-", dir=args.dir)
+    settings = Settings(size_mb=args.size_mb or 128, repeats=args.repeats or 3, root=root, reshard_world_sizes=())
+    machine = describe_machine(root)
+    start = now()
+    try:
+        result = run_world(integrity_run, settings.world_size, settings)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = build_integrity_report(settings, result, command, now() - start, machine)
+    print(text)
+    out = args.out or OUT_DIR / "checkpoint-integrity.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 if __name__ == "__main__":

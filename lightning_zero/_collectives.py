@@ -9,6 +9,7 @@ the world size and SUM.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -54,6 +55,35 @@ def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, async_op: bool) 
 def all_gather(output: Tensor, input: Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Work:
     """Concatenate every rank's ``input`` into ``output`` (``[world_size * n]``) in rank order."""
     return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def process_group_timeout() -> timedelta:
+    """The default process group's timeout (the strategy's ``timeout``), else torch's 30 minutes."""
+    if dist.is_initialized():
+        for device in ("cpu", "cuda"):
+            try:
+                return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+            except Exception:  # no backend for this device type (NCCL has no CPU one); try the next
+                continue
+    return timedelta(minutes=30)
+
+
+def wait(work: Work) -> None:
+    """Wait for an async collective for at most the process group timeout.
+
+    [Note: bounded waits] gloo's ``Work.wait()`` without a timeout never returns when a peer is
+    frozen (SIGSTOP, a hung host): the rank hangs in the next forward (overlapped parameter gather)
+    although its own collectives time out. With the timeout it raises, naming the operation."""
+    if work is None:
+        return
+    timeout = process_group_timeout()
+    try:
+        work.wait(timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: a collective did not complete within the process group timeout ({timeout}):"
+            f" another rank died or stopped answering (frozen, hung or unreachable). ({exc})"
+        ) from exc
 
 
 def copy_flat_to_rows(rows: Tensor, flat: Tensor, layout: EvenShard, zero_padding: bool = False) -> None:

@@ -268,8 +268,7 @@ class GradBucket:
         """Wait for the reduction, add it to the fp32 shard gradient and the presence counts."""
         assert self.pending is not None
         pending, self.pending = self.pending, None
-        if pending.work is not None:
-            pending.work.wait()
+        comm.wait(pending.work)  # bounded: see [Note: bounded waits] in _collectives.py
         scale = 1.0 if self.predivide or self.world_size == 1 else 1.0 / self.world_size
         self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
         self.present_count.add_(pending.output[self.row_numel :])
@@ -308,8 +307,7 @@ class _PendingGather:
     slot: int
 
     def finish(self, pool: BufferPool) -> None:
-        if self.work is not None:
-            self.work.wait()
+        comm.wait(self.work)  # bounded: see [Note: bounded waits] in _collectives.py
         with torch.no_grad():
             for sp in self.bucket.params:
                 comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)

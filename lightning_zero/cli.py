@@ -13,11 +13,54 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import jsonargparse
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_zero  # noqa: F401  (registers the "zero1"/"zero2" strategy names)
+
+MASK = "***"
+SECRET_NAMES = frozenset({
+    "secret", "password", "token", "session_token", "aws_secret_access_key", "aws_session_token",
+    "secret_access_key", "client_secret", "account_key", "sas_token", "credentials",
+})
+"""Masked wherever they appear in a saved config."""
+STORAGE_KEY_NAMES = frozenset({"key", "aws_access_key_id", "access_key", "access_key_id", "username"})
+"""Masked inside ``storage_options`` (s3fs's ``key`` is the access key id)."""
+
+
+def mask_credentials(value: Any, in_storage_options: bool = False) -> Any:
+    """A copy of a parsed config (jsonargparse Namespaces, dicts, lists) with credentials replaced by
+    ``***``: what LightningCLI saves as ``config.yaml`` must not hold the secrets a YAML or the command
+    line gave ``ZeroCheckpointIO(storage_options=...)``."""
+    if isinstance(value, jsonargparse.Namespace):
+        out = jsonargparse.Namespace()
+        for key, item in vars(value).items():
+            setattr(out, key, _masked(key, item, in_storage_options))
+        return out
+    if isinstance(value, dict):
+        return {key: _masked(key, item, in_storage_options) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(mask_credentials(item, in_storage_options) for item in value)
+    return value
+
+
+def _masked(key: Any, item: Any, in_storage_options: bool) -> Any:
+    name = str(key).lower()
+    if item is not None and not isinstance(item, (dict, list, jsonargparse.Namespace)) and (
+        name in SECRET_NAMES or (in_storage_options and name in STORAGE_KEY_NAMES)
+    ):
+        return MASK
+    return mask_credentials(item, in_storage_options or name == "storage_options")
+
+
+class MaskedSaveConfigCallback(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` writer, with :func:`mask_credentials` applied to what it saves
+    (the objects were built from the unmasked config already)."""
+
+    def __init__(self, parser: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(parser, mask_credentials(config), *args, **kwargs)
 
 
 def run_cli(args: list[str] | None = None) -> LightningCLI:
@@ -35,6 +78,7 @@ def run_cli(args: list[str] | None = None) -> LightningCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf+"},
+        save_config_callback=MaskedSaveConfigCallback,
         save_config_kwargs={"overwrite": True},
         args=args,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import time
 from collections.abc import Generator
@@ -52,6 +53,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         reduce_dtype: the dtype gradients are reduced in (a dtype or its name); None: the parameters'.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every training
             step, as DDP does by default; checkpoints always hold rank 0's buffers.
+        nonfinite_loss: ``"raise"`` checks every training step's loss on every rank (one tiny
+            all-reduce, and a host sync on GPUs, per step) and stops all ranks together with a
+            ``FloatingPointError`` naming the step and the ranks whose loss was NaN/inf, before
+            backward spreads it into the weights; ``"ignore"`` (default) adds nothing to the step.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -74,7 +79,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         broadcast_buffers: bool = True,
+        nonfinite_loss: Literal["ignore", "raise"] = "ignore",
     ) -> None:
+        if nonfinite_loss not in ("ignore", "raise"):
+            raise ValueError(
+                f"nonfinite_loss must be 'ignore' or 'raise', got {nonfinite_loss!r}. (Skipping the step instead is"
+                " not supported: for 16-mixed the loss scaler already skips steps whose gradients overflow.)"
+            )
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype)
         super().__init__(
@@ -88,6 +99,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.broadcast_buffers = broadcast_buffers
+        self.nonfinite_loss = nonfinite_loss
         self._engine: ZeroEngine | None = None
         self._engine_live = False  # between fit's setup and teardown (hooks installed, steps run)
         self._loaded_by_strategy = False
@@ -170,7 +182,30 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if self.broadcast_buffers and self._engine_live:
             assert self.model is not None
             ckpt_trainer.broadcast_buffers(self.model)
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        if self.nonfinite_loss == "raise" and self._engine_live:
+            self._check_finite_loss(output)
+        return output
+
+    def _check_finite_loss(self, output: Any) -> None:
+        """(collective, every rank) Raise on every rank if the loss of any rank is not finite."""
+        loss = output.get("loss") if isinstance(output, dict) else output
+        value = float(loss.detach().float().sum()) if isinstance(loss, Tensor) else 0.0
+        finite = torch.tensor([1.0 if math.isfinite(value) else 0.0], device=self.root_device)
+        flags = [torch.empty_like(finite) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            torch.distributed.all_gather(flags, finite)
+        else:
+            flags[0].copy_(finite)
+        bad = [rank for rank, flag in enumerate(flags) if not flag.item()]
+        if bad:
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            raise FloatingPointError(
+                f"The training loss is not finite at global step {step} on rank(s) {bad} (this is rank"
+                f" {self.global_rank}, loss {value}); every rank stops here, before backward puts NaN/inf into the"
+                " weights. Lower the learning rate, clip gradients, check the batch, or resume from the last"
+                " checkpoint. (ZeroLowLevelStrategy(nonfinite_loss='raise'))"
+            )
 
     def _route_precision_plugin(self) -> None:
         """Make Lightning's clipping and fp16 loss scaling see all shards, not this rank's.

@@ -36,6 +36,21 @@ from torch import Tensor
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.tree import walk
 
+_CHECKSUMS = True
+"""Off only in ``bench/checkpoint.py --integrity``, to measure what the checksums cost."""
+
+
+@contextmanager
+def checksums_disabled() -> Iterator[None]:
+    """(benchmark only) Saves inside write no CRCs; files saved so are loaded without checking them."""
+    global _CHECKSUMS
+    _CHECKSUMS = False
+    try:
+        yield
+    finally:
+        _CHECKSUMS = True
+
+
 HEADER_KEY = "lightning_zero_integrity"
 """Top-level key of a ``local`` rank file, the ``sharded`` objects file and a ``full`` file."""
 
@@ -74,7 +89,7 @@ def header(tree: Any, save_id: str, rank: int | None = None, world_size: int | N
            shapes: dict[str, list[int]] | None = None, **extra: Any) -> dict[str, Any]:
     """The integrity header for a file holding ``tree`` (computed on the staged copy, off the training thread)."""
     return {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world_size,
-            "tensors": describe(tree), "shapes": shapes or {}, **extra}
+            "tensors": describe(tree) if _CHECKSUMS else None, "shapes": shapes or {}, **extra}
 
 
 def split(content: Any, file: str, url: str, required: bool) -> tuple[Any, dict[str, Any] | None]:
@@ -115,7 +130,9 @@ def check_identity(found: dict[str, Any], file: str, url: str, save_id: str | No
 
 def verify(content: Any, found: dict[str, Any], file: str, url: str) -> None:
     """Every checksummed leaf is present with its shape, dtype and CRC32."""
-    expected: dict[str, Any] = found.get("tensors", {})
+    expected: dict[str, Any] | None = found.get("tensors")
+    if expected is None:  # saved inside checksums_disabled()
+        return
     present = dict(_checked_leaves(content))
     for key, (crc, shape, dtype) in expected.items():
         leaf = present.get(key)
@@ -231,6 +248,8 @@ def checksumming_writer(base: type, save_id: str) -> type:
             self.save_id = save_id
 
         def write_data(self, plan: Any, planner: Any) -> Any:
+            if not _CHECKSUMS:
+                return super().write_data(plan, planner)
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)
             try:
@@ -308,6 +327,8 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
             self._items = {(info.relative_path, info.offset): index.fqn for index, info in self.storage_data.items()}
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            if getattr(sinfo, "crc32", None) is None and not require():
+                return super()._slice_file(file, sinfo)  # saved inside checksums_disabled()
             name = f"{sinfo.relative_path!r} (tensor {self._items.get((sinfo.relative_path, sinfo.offset))!r})"
             file.seek(sinfo.offset)
             data = file.read(sinfo.length)

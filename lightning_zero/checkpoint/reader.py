@@ -82,9 +82,10 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
         targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
         # A fresh reader: DCP's load sets it up for this plan.
+        checked = found is not None and found.get("tensors") is not None
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, found is not None), no_dist=True)
+            dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, checked), no_dist=True)
     except CheckpointException as exc:
         cause = saver._dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -104,13 +105,9 @@ def coordination_group() -> Any:
 
 def training_timeout() -> timedelta:
     """The default process group's timeout (what the strategy's ``timeout`` set), else 30 minutes."""
-    world = dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
-        except Exception:  # no backend for this device type (NCCL has no CPU one); try the next
-            continue
-    return timedelta(minutes=30)
+    from lightning_zero._collectives import process_group_timeout
+
+    return process_group_timeout()
 
 
 def _all_gather_objects(value: Any, group: Any) -> list[Any]:
@@ -485,8 +482,6 @@ def _preflight(loc: Location, mode: Mode, rank: int) -> str | None:
         except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
             pass
         return None
-    import os
-
     directory = loc.data_root() if mode != "full" else (loc.parent or ".")
     probe = f"{directory}/.lightning_zero-probe-{uuid.uuid4().hex[:8]}"
     try:
@@ -513,8 +508,6 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
     close; a partial upload left by a failure is never referenced (the marker is written last).
     """
     if loc.is_local:
-        import os
-
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             _save_keeping_write_errors(obj, f)
@@ -694,7 +687,6 @@ def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) 
         _torch_save_to(loc, loc.path, full)
         return
     import glob
-    import os
 
     tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -920,6 +912,8 @@ def _torch_load(loc: Location, path: str) -> Any:
                 return torch.load(data, map_location="cpu", weights_only=True)
         with data:
             return torch.load(data, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointCorruptError(storage.refused_pickle(loc.url, f"file {path!r}", exc)) from None
     except OSError as exc:
         if not loc.is_local:  # the store, not the file, failed mid-read
             raise storage.storage_error(loc, "read", exc) from exc
@@ -1092,7 +1086,7 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
     if found is not None:
         integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
         integrity.verify(objects, found, objects_file, loc.url)
-    reader = _dcp_reader(loc, version_dir, require_checksums=found is not None)
+    reader = _dcp_reader(loc, version_dir, require_checksums=found is not None and found.get("tensors") is not None)
     metadata = _read_dcp_metadata(loc, reader)
     save_id = marker.get("save_id")
     if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:

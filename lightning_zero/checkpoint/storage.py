@@ -21,6 +21,8 @@ import errno
 import io
 import json
 import os
+import pickle
+import re
 import uuid
 import zipfile
 from dataclasses import dataclass
@@ -216,12 +218,26 @@ def _zip_holds_tensors(f: Any) -> bool:
     return any("/data/" in name for name in names)
 
 
+def refused_pickle(url: str, what: str, exc: BaseException) -> str:
+    """The message for a file whose pickle names a global that ``weights_only`` loading refuses.
+
+    torch's own message suggests ``weights_only=False``; for a file of unknown origin that is the one
+    thing not to do, so it is replaced, keeping only the refused name."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    name = found.group(1) if found else "an object that is not a tensor, container or plain value"
+    return (f"{url!r} is not a valid checkpoint: its {what} holds {name}, which checkpoints never contain. It was"
+            " not unpickled (a crafted file could run code); do not load it with weights_only=False unless you"
+            " wrote it yourself.")
+
+
 def _parse_marker(loc: Location, body: bytes, kind: str) -> dict[str, Any]:
     try:
         if kind == "json":  # markers of version 1
             content: Any = {MARKER_KEY: json.loads(body)}
         else:
             content = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointCorruptError(refused_pickle(loc.url, "commit marker", exc)) from None
     except Exception as exc:
         raise CheckpointCorruptError(
             f"Commit marker {loc.url!r} is damaged ({type(exc).__name__}: {exc}); use another checkpoint."

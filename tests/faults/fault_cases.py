@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback
+from lightning_cases import NetModule
 
 from lightning_zero.checkpoint import FlatShard
 
@@ -221,3 +223,69 @@ def train_while_a_peer_dies(rank: int, world_size: int, victim: int, how: str) -
             opt.step()
 
     return timed(steps)
+
+
+
+# ---- bad input during training -------------------------------------------------------------
+
+
+class NaNOnRank1(NetModule):
+    """The Lightning cases' module whose rank-1 half of the batch at step 1 holds an infinity."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if batch_idx == 1:
+            x = x.clone()
+            x[x.shape[0] // 2:] = float("inf")  # rank 1's half of the global batch
+        return super().training_step((x, y), batch_idx)
+
+
+# ---- long runs: resources and retention ------------------------------------------------------
+
+
+def process_figures() -> dict[str, int]:
+    """This process's threads, open file descriptors and resident memory (bytes)."""
+    with open("/proc/self/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+            "rss": rss_kb * 1024}
+
+
+class Watch(Callback):
+    """Between steps: record ``process_figures`` (every rank) and, on rank 0, that the checkpoint
+    directory holds at least one complete, loadable checkpoint (read whole, in this process)."""
+
+    def __init__(self, out_dir: str, ckpt_dir: str, every: int = 1, storage_options: dict[str, Any] | None = None,
+                 check_loadable: bool = True) -> None:
+        self.out_dir, self.ckpt_dir, self.every = out_dir, ckpt_dir, every
+        self.storage_options = storage_options or {}
+        self.check_loadable = check_loadable
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        import json
+
+        step = trainer.global_step
+        if step % self.every:
+            return
+        record: dict[str, Any] = {"step": step, **process_figures()}
+        if trainer.is_global_zero and self.check_loadable and step > 0:
+            record["complete"] = complete_checkpoints(self.ckpt_dir, self.storage_options)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def complete_checkpoints(ckpt_dir: str, storage_options: dict[str, Any]) -> list[str]:
+    """The newest name in ``ckpt_dir`` that loads whole right now (what a crash at this moment would
+    leave to resume from), or none."""
+    from lightning_zero.checkpoint import read_lightning_checkpoint, storage
+
+    loc = storage.resolve(f"{ckpt_dir.rstrip('/')}/probe", storage_options)
+    good = []
+    for candidate in storage.newest_siblings(loc):
+        try:
+            read_lightning_checkpoint(candidate, storage_options, optimizer=True)
+        except Exception:  # noqa: BLE001 - not (yet, or no longer) a checkpoint
+            continue
+        good.append(candidate.rsplit("/", 1)[-1])
+        break
+    return good

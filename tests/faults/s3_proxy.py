@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +34,7 @@ class FaultyProxy:
         self.forwarded = 0
         self.requests: list[str] = []
         self.gone: Literal["refuse", "freeze"] | None = None
+        self.delay_s = 0.0  # added before answering every request (a slow link)
         self._go_away_when: Callable[[str, str], bool] | None = None
         self._go_away_how: Literal["refuse", "freeze"] = "refuse"
         self._lock = threading.Lock()
@@ -118,6 +120,8 @@ class FaultyProxy:
 
             def _any(self) -> None:
                 body = self._body()
+                if proxy.delay_s:
+                    time.sleep(proxy.delay_s)
                 decision = proxy._decide(self.command, self.path)
                 if decision == "freeze":
                     proxy._release.wait()

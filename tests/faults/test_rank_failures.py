@@ -8,6 +8,7 @@ rank, ``SIGKILL``/``SIGSTOP`` of one process.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,6 @@ def test_out_of_memory_while_staging_on_one_rank_fails_the_save_on_every_rank(tm
 
 def test_out_of_memory_in_the_middle_of_the_full_gather_stops_every_rank_at_the_same_tensor() -> None:
     results = run_distributed(full_gather_while_one_rank_runs_out_of_memory, 2, 1, start_method="forkserver")
-    import re
-
     assert re.search(rf"rank 1: gathering a tensor of shape \(\d+,\) to rank 0 failed .*({OOM})", results[1]["error"])
     assert "rank 0: stopped the gather to rank 0 because another rank failed" in results[0]["error"]
     assert all(r["seconds"] < 10 for r in results), results
@@ -98,6 +97,7 @@ def test_a_peer_killed_or_frozen_during_training_stops_the_others_within_the_tim
     ranks = start_ranks(train_while_a_peer_dies, 2, 1, how, timeout_s=TIMEOUT_S)
     results = ranks.wait(deadline_s=60, survivors=[0])
     assert results[0] is not None, "rank 0 was still training after 60 s"
-    assert results[0]["error"], results[0]
+    assert re.search(r"stopped answering|timed out|Timed out|Connection (closed|reset) by peer", results[0]["error"]), \
+        results[0]
     assert results[0]["seconds"] < TIMEOUT_S * 3 + 5, results[0]
 
