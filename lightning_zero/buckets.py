@@ -428,7 +428,8 @@ class ParamGatherer:
                 if self._error is not None:
                     error, self._error = self._error, None
                     self._end_round()
-                    raise RuntimeError("The parameter all-gather failed in its thread; see the cause.") from error
+                    # The cause's own words first: a lost or frozen peer is named there.
+                    raise RuntimeError(f"The parameter all-gather failed in its thread: {error}") from error
             self._consumed += 1
         if self._queue and self._consumed == len(self._queue):
             self._end_round()
