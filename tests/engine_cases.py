@@ -59,8 +59,12 @@ class Case:
     reduce_dtype: str | None = None
     native_reduce_scatter: bool = False
     """Take the reduce-scatter path of NCCL (gloo runs it too, only slower than its all-reduce)."""
+    shard_group_size: int | None = None
+    """Hybrid sharding: shard within groups of this many ranks (None: the whole world)."""
     skip_branch_at: tuple[tuple[int, int], ...] = ()
     """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
+    branch_slices: tuple[int, ...] | None = None
+    """If set, exactly these slices (ranks) take ``Net.branch`` in every batch not in ``skip_branch_at``."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -91,7 +95,13 @@ def global_batch(step: int, micro: int, world_size: int,
 
 
 def case_batch(case: Case, step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return global_batch(step, micro, world_size, skip_branch=(step, micro) in case.skip_branch_at)
+    skip = (step, micro) in case.skip_branch_at
+    x, y = global_batch(step, micro, world_size, skip_branch=skip)
+    if case.branch_slices is not None and not skip:
+        x[0::4, 0] = -1.0
+        for index in case.branch_slices:
+            x[4 * index, 0] = 1.0
+    return x, y
 
 
 def initial_model() -> Net:
@@ -109,7 +119,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     with native if case.native_reduce_scatter else contextlib.nullcontext():
         engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
                             ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
-                                       case.reduce_dtype))
+                                       case.reduce_dtype, case.shard_group_size))
     assert engine.reducer.reduce_scatter == case.native_reduce_scatter
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
@@ -133,7 +143,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     # Through the module first: that read finishes the last step's overlapped gathers.
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     masters_match = all(
-        torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
+        torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.local_slice(sp.rank)])
         for sp in engine.sharded_params.values()
     )
     fqn_of_master = {sp.master: sp.fqn for sp in engine.sharded_params.values()}

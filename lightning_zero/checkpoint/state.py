@@ -51,7 +51,7 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
     (see the layout in :mod:`lightning_zero.checkpoint.trainer`). ``for_load``: the tree a load
     fills (buffers not copied, no ``meta``)."""
-    ws = engine.world_size
+    ws = engine.shard_size
     model: dict[str, Any] = {}
     for fqn, p in module.named_parameters():
         sp = engine.sharded_params.get(p)
@@ -113,7 +113,7 @@ def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
             entry = opt.state.get(sp.master)
             if entry:
                 state[index[sp.master]] = {
-                    k: _flat(sp, v, engine.world_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
+                    k: _flat(sp, v, engine.shard_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
                 }
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
                   for g in opt.param_groups]
