@@ -192,6 +192,9 @@ class GradBucket:
         self.rank = rank  # in the shard group
         # Ranks whose gradients are averaged: the whole world, more than ``world_size`` when hybrid.
         self.average_over = average_over or world_size
+        # Hybrid sharding: shard groups holding this split, and which of them this rank is in.
+        self.replicas = 1  # set by the engine
+        self.replica_rank = 0
         self.communicates = communicates  # False for optimized-but-frozen parameters
         first = named_params[0][1]
         self.dtype = first.dtype

@@ -152,6 +152,9 @@ class ZeroEngine:
         for members in _group_by_dtype_and_device(frozen):
             self.buckets.append(GradBucket(len(self.buckets), members, self.shard_size, self.shard_rank,
                                            communicates=False))
+        for bucket in self.buckets:
+            bucket.replicas = self.layout.num_replicas
+            bucket.replica_rank = self.layout.replica_rank(self.rank)
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }

@@ -26,3 +26,50 @@ def run_hybrid_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict
     torch.distributed.all_reduce(value)
     results["after_error"] = float(value)
     return results
+
+
+# ---- checkpoints of hybrid engines ----------------------------------------------------------
+
+
+def save_hybrid(rank: int, world_size: int, root: str, shard_group_size: int | None,
+                modes: tuple[str, ...] = ("sharded", "full", "local"), steps: int = 3) -> dict[str, Any]:
+    """Train at this layout, save ``<root>/<mode>.ckpt`` in each mode; the full state and, per mode,
+    the bytes this rank wrote."""
+    from checkpoint_cases import build, gather_full_state, train
+
+    from lightning_zero.checkpoint import last_save_stats, save
+    from lightning_zero.checkpoint import state as ckpt_state
+
+    model, engine = build(rank, world_size, shard_group_size=shard_group_size)
+    train(model, engine, range(steps), rank, world_size)
+    written = {}
+    for mode in modes:
+        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
+        stats = last_save_stats()
+        written[mode] = stats.bytes_written if stats is not None else None
+    full = gather_full_state(engine)
+    engine.close()
+    return {"full": full, "written": written}
+
+
+def load_hybrid(rank: int, world_size: int, paths: list[str], state_names: list[str],
+                shard_group_size: int | None, extra_steps: int = 2) -> dict[str, Any]:
+    """For each path: load into a fresh engine of this layout; what it holds (or the error's text)."""
+    from checkpoint_cases import build, gather_full_state, load_into, params, train
+
+    out: dict[str, Any] = {}
+    for path in paths:
+        model, engine = build(rank, world_size, perturb=1.0, shard_group_size=shard_group_size)
+        try:
+            load_into(engine, model, path, state_names)
+        except ValueError as exc:
+            out[path] = {"error": str(exc)}
+            engine.close()
+            continue
+        result = {"loaded": gather_full_state(engine), "params": params(model),
+                  "shard_numel": engine.optimizer_shard_numel}
+        train(model, engine, range(100, 100 + extra_steps), rank, world_size)
+        result["after_steps"] = params(model)
+        engine.close()
+        out[path] = result
+    return out

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import pickle
 import threading
@@ -406,11 +408,12 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
                                   " checkpoint is intact. " + "; ".join(errors))
     write_started = time.perf_counter()
+    planned_bytes: int | None = None  # what DCP's plan gave this rank to write, when replicas were spread
     try:
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
         elif mode == "sharded":
-            _write_sharded(state, loc, version_dir, group, save_id)
+            planned_bytes = _write_sharded(state, loc, version_dir, group, save_id)
         else:
             _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
@@ -431,8 +434,10 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             # The data directory relative to the marker's folder: a copy of the marker beside it (a
             # `save_last="link"` on S3) names the same data.
             data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
-            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id},
-                                 marker_fields)
+            fields = {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id}
+            if shard_group_size_of(state, world_size) != world_size:
+                fields["shard_group_size"] = shard_group_size_of(state, world_size)
+            storage.write_marker(loc, fields, marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
             _discard(loc, version_dir)
@@ -451,7 +456,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         stats.write_s = written - write_started
         stats.commit_s = committed - written
         stats.committed_after_s = committed - (called if called is not None else started)
-        stats.bytes_written = _bytes_written(state, mode, rank)
+        stats.bytes_written = planned_bytes if planned_bytes is not None else _bytes_written(state, mode, rank)
 
 
 def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
@@ -562,7 +567,8 @@ def _save_keeping_write_errors(obj: Any, f: Any) -> None:
 def _encode_shards(state: Any) -> Any:
     """FlatShard -> a plain dict that ``torch.load(weights_only=True)`` accepts."""
     return map_leaves(state, lambda leaf: {"flat_shard": leaf.local, "shape": list(leaf.shape),
-                                           "rank": leaf.rank, "world_size": leaf.world_size}
+                                           "rank": leaf.rank, "world_size": leaf.world_size,
+                                           "replicas": leaf.replicas, "replica_rank": leaf.replica_rank}
                       if isinstance(leaf, FlatShard) else leaf)
 
 
@@ -576,7 +582,7 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
     _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> None:
+def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> int | None:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata)."""
@@ -594,7 +600,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        planner = _spread_planner() if _has_replicas(state) else DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
@@ -602,6 +608,16 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
         objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes)
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
+    return getattr(planner, "bytes_planned", None)
+
+
+def _has_replicas(state: Any) -> bool:
+    return any(isinstance(leaf, FlatShard) and leaf.replicas > 1 for _, leaf in walk(state))
+
+
+def shard_group_size_of(state: Any, world_size: int) -> int:
+    """The shard group size the flat shards of ``state`` were split over (the world without any)."""
+    return next((leaf.world_size for _, leaf in walk(state) if isinstance(leaf, FlatShard)), world_size)
 
 
 def _tensor_leaves(tree: Any) -> Iterator[tuple[str, Tensor | FlatShard]]:
@@ -642,12 +658,16 @@ def _unreachable(error: str) -> bool:
 
 def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
     """Tensors (FlatShard as 1-D DTensors) for DCP, keyed by path; the rest for ``objects.pt``."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tensors: dict[str, Any] = {}
     for path, leaf in walk(state):
         key = "/".join(path)
-        if isinstance(leaf, FlatShard):
+        if isinstance(leaf, FlatShard) and leaf.replicas > 1:
+            tensors[key] = DTensor.from_local(leaf.local, _hybrid_mesh(leaf.replicas, leaf.world_size),
+                                              [Replicate(), Shard(0)], run_check=False,
+                                              shape=torch.Size([leaf.numel]), stride=(1,))
+        elif isinstance(leaf, FlatShard):
             tensors[key] = DTensor.from_local(leaf.local, _mesh(), [Shard(0)], run_check=False,
                                               shape=torch.Size([leaf.numel]), stride=(1,))
         elif isinstance(leaf, Tensor):
@@ -676,6 +696,88 @@ def _mesh() -> Any:
         # there (CPU tensors), and a CPU mesh over an NCCL default group would be a CPU-on-NCCL mesh.
         _device_mesh = DeviceMesh.from_group(coordination_group() or dist.group.WORLD, "cpu")
     return _device_mesh
+
+
+_hybrid_meshes: dict[tuple[int, int], Any] = {}
+
+
+def _hybrid_mesh(replicas: int, shard_group_size: int) -> Any:
+    """The ``(replicas, shard_group_size)`` mesh of [Note: hybrid layout] (row k: shard group k).
+
+    Only its coordinates are used (DTensor.from_local without checks, DCP's chunk offsets); DCP's own
+    collectives run on the group passed to it, so the mesh creates no process groups: creating them
+    here, on the background thread, would race the training thread's collectives."""
+    key = (replicas, shard_group_size)
+    if key not in _hybrid_meshes:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(replicas * shard_group_size).view(replicas, shard_group_size)
+        _hybrid_meshes[key] = DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"), _init_backend=False)
+    return _hybrid_meshes[key]
+
+
+def _spread_planner() -> Any:
+    """DCP's default planner with [Note: spread replicated writes]."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class SpreadReplicasSavePlanner(DefaultSavePlanner):
+        """[Note: spread replicated writes] DCP keeps one copy of every chunk several ranks hold. Its
+        ``dedup_save_to_lowest_rank`` gives every copy of a hybrid shard to shard group 0, which would
+        then write the whole state while the other groups write nothing. Here a plain tensor
+        (buffers, parameters no optimizer holds) still goes to the lowest rank, so a checkpoint holds
+        rank 0's buffers as DDP does (DESIGN.md, Lifecycle); a chunk replicated across shard groups
+        goes to whichever of its holders has the fewest bytes planned so far, largest chunks first
+        (longest-processing-time first), so the writes spread over the replica groups, each chunk is
+        written once and the total is one copy of the state."""
+
+        def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
+            return _spread_dedup(all_plans, {key for key, value in self.state_dict.items() if _is_dtensor(value)})
+
+        def finish_plan(self, new_plan: Any) -> Any:
+            self.bytes_planned = sum(_chunk_bytes(item) for item in new_plan.items)
+            return super().finish_plan(new_plan)
+
+    return SpreadReplicasSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _chunk_bytes(item: Any) -> int:
+    """Bytes of the chunk a write item writes. (``WriteItem.tensor_storage_size`` counts the whole
+    tensor's size, not the chunk's, so DCP's own balancing weighs every shard of a tensor alike.)"""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:
+    """One holder per write item: see [Note: spread replicated writes]."""
+
+    holders: dict[Any, list[int]] = collections.defaultdict(list)
+    items: dict[Any, Any] = {}
+    for plan_index, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders[item.index].append(plan_index)
+            items[item.index] = item
+    planned = [0] * len(all_plans)
+    keep: dict[Any, int] = {}
+    spread = []
+    for index, ranks in holders.items():
+        if len(ranks) == 1 or index.fqn not in spread_fqns:
+            keep[index] = min(ranks)
+            planned[keep[index]] += _chunk_bytes(items[index])
+        else:
+            spread.append(index)
+    spread.sort(key=lambda index: -_chunk_bytes(items[index]))
+    for index in spread:
+        keep[index] = min(holders[index], key=lambda r: (planned[r], r))
+        planned[keep[index]] += _chunk_bytes(items[index])
+    return [dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == plan_index])
+            for plan_index, plan in enumerate(all_plans)]
 
 
 def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) -> None:
@@ -743,9 +845,12 @@ def _gather_buckets(shards: list[tuple[str, FlatShard]]) -> Iterator[list[tuple[
 
 def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
                             failure: list[BaseException]) -> dict[str, Tensor | None]:
-    world_size = bucket[0][1].world_size
+    world_size = bucket[0][1].world_size  # the shard group's
     if world_size == 1:
         return {key: shard.local.reshape(shard.shape).clone() for key, shard in bucket}
+    # Hybrid: every rank of the group takes part; rank 0 keeps the rows of its own shard group, the
+    # first ``world_size`` ranks ([Note: hybrid layout]). (R copies travel to rank 0; ``full`` is for export.)
+    group_size = dist.get_world_size(group)
     rank = dist.get_rank()
     # The group's own device: the strategy gathers a plain CheckpointIO's file on the training group,
     # which on GPUs is NCCL and takes CUDA tensors only; the coordination group is gloo (CPU).
@@ -758,7 +863,7 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
         for (_, shard), chunk in zip(bucket, chunks):
             padded[offset: offset + shard.local.numel()] = shard.local
             offset += chunk
-        gather_list = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
+        gather_list = [torch.empty_like(padded) for _ in range(group_size)] if rank == 0 else None
     except Exception as exc:
         padded = gather_list = None
         largest = max((shard for _, shard in bucket), key=lambda s: s.numel)
@@ -778,7 +883,7 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
     if rank != 0:
         return {key: None for key, _ in bucket}
     assert gather_list is not None
-    rows = torch.stack(gather_list).cpu()  # [world_size, sum(chunks)]
+    rows = torch.stack(gather_list[:world_size]).cpu()  # [world_size, sum(chunks)]
     out: dict[str, Tensor | None] = {}
     offset = 0
     for (key, shard), chunk in zip(bucket, chunks):
@@ -823,7 +928,7 @@ def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dic
         return lambda: _copy_into(state_dict, content, loc.url)
     mode = marker.get("mode")
     if mode == "local":
-        content = _read_local(loc, marker)
+        content = _read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, _world()[1]))
         _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), *_world()))
         return lambda: _copy_into(state_dict, content, loc.url)
     if mode == "sharded":
@@ -858,7 +963,8 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
     # rank 0's otherwise (the load will refuse the world size with a clear message).
-    reader_rank = rank if world_size == marker["world_size"] else 0
+    hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
+    reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
     content = _read_local(loc, marker, reader_rank)
     _READ_AHEAD.clear()  # at most one file held
     _READ_AHEAD[_rank_file(_version_dir(loc, marker), reader_rank, marker["world_size"])] = content
@@ -942,16 +1048,47 @@ def _check_version_dir(loc: Location, marker: dict[str, Any]) -> str:
     return version_dir
 
 
-def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None) -> Any:
-    """This rank's file of a ``local`` checkpoint (refused at another world size), checked."""
+def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None,
+                shard_group_size: int | None = None) -> Any:
+    """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
+    replica groups of the same ``shard_group_size``: see :func:`_check_local_world`), checked."""
     own_rank, world_size = _world()
-    if marker["world_size"] != world_size and (rank is None or rank == own_rank):
+    if rank is None or rank == own_rank:
+        _check_local_world(loc, marker, world_size, shard_group_size)
+    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+
+
+def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, shard_group_size: int | None) -> None:
+    """A ``local`` checkpoint loads at the world size it was saved with, or, saved with hybrid sharding
+    (R replica groups of N ranks), with fewer replica groups of the same N, as SageMaker's rule is:
+    rank r's file holds the shards of rank r % N of a shard group, which is what rank r needs."""
+    saved_world = int(marker["world_size"])
+    saved_n = int(marker.get("shard_group_size", saved_world))
+    target_n = shard_group_size if shard_group_size is not None else saved_n
+    if saved_world == world_size and target_n == saved_n:
+        return
+    if saved_n < saved_world:
+        if world_size <= saved_world and world_size % saved_n == 0 and target_n == saved_n:
+            return
+        choices = [saved_n * k for k in range(1, saved_world // saved_n + 1)]
+        raise ValueError(
+            f"Checkpoint {loc.url!r} was saved in 'local' mode by {saved_world // saved_n} replica groups of"
+            f" shard_group_size {saved_n} (world size {saved_world}); it resumes only with shard_group_size"
+            f" {saved_n} and a world size in {choices} (the same or fewer replica groups), not world size"
+            f" {world_size} with shard_group_size {target_n}. Resume with shard_group_size={saved_n}, or save"
+            " with ZeroCheckpointIO(mode='sharded') to change the shard group size or grow the world."
+        )
+    if saved_world != world_size:
         raise ValueError(
             f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
             f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
             " save with ZeroCheckpointIO(mode='sharded') to change the world size."
         )
-    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+    raise ValueError(
+        f"Checkpoint {loc.url!r} was saved in 'local' mode sharded over the whole world ({saved_world} ranks); it"
+        f" cannot be loaded with shard_group_size {target_n}. Load it without shard_group_size, or save with"
+        " ZeroCheckpointIO(mode='sharded') to change the shard group size."
+    )
 
 
 def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
@@ -1024,7 +1161,8 @@ def _is_encoded_shard(leaf: Any) -> bool:
 def _walk_encoded(tree: Any) -> Any:
     """Treat encoded shards as leaves again (walk would descend into their dicts)."""
     if _is_encoded_shard(tree):
-        return FlatShard(tree["flat_shard"], tuple(tree["shape"]), tree["rank"], tree["world_size"])
+        return FlatShard(tree["flat_shard"], tuple(tree["shape"]), tree["rank"], tree["world_size"],
+                         tree.get("replicas", 1), tree.get("replica_rank", 0))
     if isinstance(tree, dict):
         return {k: _walk_encoded(v) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -1111,7 +1249,7 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
 
 def _empty_like(leaf: Any) -> Any:
     if isinstance(leaf, FlatShard):
-        return FlatShard(torch.empty_like(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
+        return dataclasses.replace(leaf, local=torch.empty_like(leaf.local))
     return torch.empty_like(leaf) if isinstance(leaf, Tensor) else leaf
 
 

@@ -23,7 +23,8 @@ from lightning_zero.optimizer import ZeroOptimizer
 
 
 def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
-    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size)
+    """``world_size``: the shard group's size; the replicas come from the parameter's bucket."""
+    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size, sp.bucket.replicas, sp.bucket.replica_rank)
 
 
 def _is_sharded_state(value: Any, sp: ShardedParam) -> bool:
