@@ -18,14 +18,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-# Train a tiny GPT with ZeRO-2 on 2 CPU processes (async sharded checkpoints every 20 steps),
-# then resume from the last checkpoint on 3 processes: the optimizer state is resharded 2 -> 3.
-DEMO_DIR ?= runs/tiny_gpt
+# Train a tiny GPT with ZeRO-2 on 2 CPU processes (async sharded checkpoints every 20 steps), resume
+# from the last checkpoint on 3 processes (the optimizer state is resharded 2 -> 3), export it with
+# `lightning-zero convert`, and print what every checkpoint cost (examples/demo.py).
+DEMO_DIR ?= runs/demo
 demo: install
-	rm -rf $(DEMO_DIR)
-	PYTHONPATH=. $(PY) -m lightning_zero fit --config configs/tiny_gpt.yaml --trainer.default_root_dir $(DEMO_DIR)
-	PYTHONPATH=. $(PY) -m lightning_zero fit --config configs/tiny_gpt.yaml --trainer.default_root_dir $(DEMO_DIR) \
-		--trainer.devices 3 --trainer.max_steps 100 --ckpt_path last
+	$(PY) examples/demo.py --root $(DEMO_DIR)
 
 test: install
 	$(PY) -m pytest -q -ra

@@ -30,6 +30,30 @@ def has_native_reduce_scatter(group: dist.ProcessGroup | None) -> bool:
     return "gloo" not in dist.get_backend(group)
 
 
+def gathers_through_a_copy(group: dist.ProcessGroup | None) -> bool:
+    """True where an all-gather first writes a flat temporary of its whole output and then
+    copies it into the output (gloo: ``newLikeFlat`` in ProcessGroupGloo's allgather); see
+    :func:`all_gather_in_pieces`."""
+    return "gloo" in dist.get_backend(group)
+
+
+GLOO_GATHER_PIECE_NUMEL = 1 << 20
+"""Output elements per all-gather in :func:`all_gather_in_pieces` (4 MiB of fp32)."""
+
+
+def all_gather_in_pieces(output_rows: Tensor, input: Tensor, group: dist.ProcessGroup | None,
+                         piece_numel: int = GLOO_GATHER_PIECE_NUMEL) -> None:
+    """Synchronously all-gather ``input`` (``[n]``) into ``output_rows`` (``[world_size, n]``),
+    column range by column range, so gloo's flat temporary holds ``piece_numel`` elements instead
+    of the whole output: with whole buckets each gather in flight would cost a second bucket."""
+    world_size, n = output_rows.shape
+    step = max(1, piece_numel // world_size)
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        # Row slices of a row-major buffer are contiguous, as all_gather's outputs must be.
+        dist.all_gather(list(output_rows[:, start:end].unbind(0)), input[start:end], group=group)
+
+
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: its accelerator (the current one)
     if it serves one, else the CPU. For fallbacks only; tensors normally follow the parameters."""

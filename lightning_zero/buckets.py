@@ -305,13 +305,21 @@ class GradBucket:
     # ---- parameter all-gather ----------------------------------------------------------
 
     def launch_all_gather(self, pool: BufferPool, slot: int, group: dist.ProcessGroup | None,
-                          async_op: bool) -> _PendingGather:
+                          async_op: bool, piece_numel: int | None = None) -> _PendingGather:
+        """``piece_numel`` (gloo): a bucket with a larger output is gathered synchronously, piece
+        by piece (:func:`~lightning_zero._collectives.all_gather_in_pieces`); ParamGatherer runs
+        gloo's gathers on its own thread, so only that thread waits."""
         # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
         # be finished before the next inner step writes it (ParamGatherer.finish in the step).
         gather_input = self.master_shard.to(self.dtype)
         gathered = pool.take(slot, self.world_size * self.row_numel, self.dtype, self.device)
-        work = comm.all_gather(gathered, gather_input, group, async_op)
-        return _PendingGather(self, work, gathered.view(self.world_size, self.row_numel), gather_input, slot)
+        rows = gathered.view(self.world_size, self.row_numel)
+        if piece_numel is not None and gathered.numel() > piece_numel:
+            comm.all_gather_in_pieces(rows, gather_input, group, piece_numel)
+            work = None
+        else:
+            work = comm.all_gather(gathered, gather_input, group, async_op)
+        return _PendingGather(self, work, rows, gather_input, slot)
 
     def reset_backward(self) -> None:
         self.reported = 0
@@ -364,6 +372,8 @@ class ParamGatherer:
         self.pool = pool
         self.async_op = async_op
         self.background = background  # False: the program runs to its end inside ``start``
+        # Fixed here, not read at each launch: every rank must split the same buckets the same way.
+        self.piece_numel = comm.GLOO_GATHER_PIECE_NUMEL if comm.gathers_through_a_copy(group) else None
         self._queue: list[GradBucket] = []
         self._consumed = 0  # queue entries the training thread has waited for
         self._done: list[threading.Event] = []  # CPU: set by the gather thread per entry
@@ -418,7 +428,8 @@ class ParamGatherer:
                 finished, gather = in_flight.popleft()
                 gather.finish(self.pool)
                 done(finished)
-            in_flight.append((index, bucket.launch_all_gather(self.pool, index, self.group, self.async_op)))
+            in_flight.append((index, bucket.launch_all_gather(self.pool, index, self.group, self.async_op,
+                                                              self.piece_numel)))
             self.in_flight = len(in_flight)
             if self.launch_hook is not None:
                 self.launch_hook(self)
@@ -447,7 +458,8 @@ class ParamGatherer:
                 if self._error is not None:
                     error, self._error = self._error, None
                     self._end_round()
-                    raise RuntimeError("The parameter all-gather failed in its thread; see the cause.") from error
+                    # The cause's own words first: a lost or frozen peer is named there.
+                    raise RuntimeError(f"The parameter all-gather failed in its thread: {error}") from error
             self._consumed += 1
         if self._queue and self._consumed == len(self._queue):
             self._end_round()

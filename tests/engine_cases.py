@@ -58,6 +58,8 @@ class Case:
     overlap_param_gather: bool = True
     reduce_dtype: str | None = None
     native_reduce_scatter: bool = False
+    gather_piece_numel: int | None = None
+    """Gather gloo buckets in pieces of this many output elements (see all_gather_in_pieces)."""
     """Take the reduce-scatter path of NCCL (gloo runs it too, only slower than its all-reduce)."""
     shard_group_size: int | None = None
     """Hybrid sharding: shard within groups of this many ranks (None: the whole world)."""
@@ -116,11 +118,13 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     native = mock.patch.object(comm, "has_native_reduce_scatter", return_value=True)
-    with native if case.native_reduce_scatter else contextlib.nullcontext():
+    pieces = mock.patch.object(comm, "GLOO_GATHER_PIECE_NUMEL", case.gather_piece_numel or comm.GLOO_GATHER_PIECE_NUMEL)
+    with native if case.native_reduce_scatter else contextlib.nullcontext(), pieces:
         engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
                             ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
                                        case.reduce_dtype, case.shard_group_size))
     assert engine.reducer.reduce_scatter == case.native_reduce_scatter
+    assert engine.gatherer.piece_numel == (case.gather_piece_numel or comm.GLOO_GATHER_PIECE_NUMEL)
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):

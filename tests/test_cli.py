@@ -124,7 +124,8 @@ def test_readme_fit_exits_0_and_checkpoints_under_the_given_root(trained: Any, m
     checkpoints = root / "checkpoints"
     assert (checkpoints / "last.ckpt").is_file() and (checkpoints / f"epoch=0-step={SAVE_EVERY}.ckpt").is_file()
     assert f"step   {SAVE_EVERY}" in output  # the example's progress lines
-    saved_config = yaml.safe_load((root / "config.yaml").read_text())
+    # LightningCLI saves its config in the logger's directory (the config's CSVLogger under the root).
+    saved_config = yaml.safe_load((root / "logs" / "version_0" / "config.yaml").read_text())
     assert saved_config["trainer"]["callbacks"][0]["init_args"]["dirpath"] == str(checkpoints)
     assert saved_config["trainer"]["plugins"][0]["init_args"]["mode"] == mode
 

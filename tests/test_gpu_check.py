@@ -23,4 +23,5 @@ def test_gpu_check_passes_its_cpu_checks_and_skips_the_cuda_ones() -> None:
     assert not any(line.startswith("FAIL") for line in lines), lines
     if not torch.cuda.is_available():
         skipped = [line for line in lines if line.startswith("SKIP")]
-        assert len(skipped) == 2 and all("needs a CUDA GPU" in line for line in skipped), lines
+        assert skipped and all("needs a CUDA GPU" in line for line in skipped), lines
+        assert any(line.startswith("SKIP no host sync") for line in skipped), lines
