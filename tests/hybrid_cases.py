@@ -73,3 +73,45 @@ def load_hybrid(rank: int, world_size: int, paths: list[str], state_names: list[
         engine.close()
         out[path] = result
     return out
+
+
+def save_and_load_by_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """2 x 2 hybrid: shard group 1 (ranks 2, 3) alone saves, coordinated by rank 3, over its own gloo
+    group (SageMaker's ``process_group``/``coordinator_rank``); then every rank loads the sharded copy
+    over the whole world, and each shard group loads the local copy over its own group."""
+    import torch.distributed as dist
+    from checkpoint_cases import build, gather_full_state, train
+
+    from lightning_zero.checkpoint import async_save, load, maybe_finalize_async_calls
+    from lightning_zero.checkpoint import state as ckpt_state
+
+    groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    mine = groups[rank // 2]
+    model, engine = build(rank, world_size, shard_group_size=2)
+    train(model, engine, range(3), rank, world_size)
+    expected = gather_full_state(engine)
+    errors: dict[str, str] = {}
+    for name, kwargs in {"coordinator-outside": {"process_group": mine, "coordinator_rank": (rank + 2) % 4},
+                         "full-with-group": {"process_group": mine, "mode": "full"}}.items():
+        try:
+            async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/never-{name}.ckpt", **kwargs)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    if rank >= 2:
+        for mode in ("sharded", "local"):
+            async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
+                       process_group=mine, coordinator_rank=3)
+            maybe_finalize_async_calls(blocking=True, process_group=mine, coordinator_rank=3)
+    dist.barrier()
+    engine.close()
+    loaded = {}
+    for mode, kwargs in {"sharded": {}, "local": {"process_group": mine}}.items():
+        fresh_model, fresh = build(rank, world_size, perturb=1.0, shard_group_size=2)
+        ckpt_state.materialize_optimizer_state(fresh.optimizers[0], set(expected["state"]))
+        content = load(ckpt_state.zero_state_dict(fresh, fresh_model, for_load=True), f"{root}/{mode}.ckpt",
+                       **kwargs)
+        ckpt_state.apply_param_groups(fresh.optimizers[0], content["optimizer"][0]["param_groups"])
+        fresh.publish_masters()
+        loaded[mode] = gather_full_state(fresh)
+        fresh.close()
+    return {"expected": expected, "loaded": loaded, "errors": errors}

@@ -14,8 +14,9 @@ import pytest
 import torch
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state
-from hybrid_cases import load_hybrid, save_hybrid
+from hybrid_cases import load_hybrid, save_and_load_by_group, save_hybrid
 
+from lightning_zero.checkpoint import storage
 from lightning_zero.sharding import EvenShard
 
 SAVES = {"N2xR2": (4, 2), "N4xR1": (4, None)}
@@ -115,3 +116,25 @@ def test_local_checkpoint_refuses_another_shard_group_size_clearly(root: str, wo
         assert "2 replica groups of shard_group_size 2" in message, message
         assert "resumes only with shard_group_size 2 and a world size in [2, 4]" in message, message
         assert "mode='sharded'" in message
+
+
+@functools.cache
+def by_group(root: str) -> list[dict[str, Any]]:
+    folder = Path(root) / "by_group"
+    folder.mkdir(parents=True, exist_ok=True)
+    return run_distributed(save_and_load_by_group, 4, str(folder), start_method="forkserver")
+
+
+def test_one_replica_group_saves_as_a_unit_with_process_group_and_coordinator_rank(root: str) -> None:
+    results = by_group(root)
+    for rank, result in enumerate(results):
+        assert_same_state(result["loaded"]["sharded"], result["expected"], f"sharded, rank {rank}")
+        assert_same_state(result["loaded"]["local"], result["expected"], f"local over the shard group, rank {rank}")
+    marker = storage.read_marker(storage.resolve(str(Path(root) / "by_group" / "sharded.ckpt")))
+    assert marker is not None and marker["world_size"] == 2  # the group's ranks only
+
+
+def test_group_arguments_are_validated_on_every_rank(root: str) -> None:
+    for result in by_group(root):
+        assert "is not in process_group" in result["errors"]["coordinator-outside"]
+        assert "mode='full' saves over every rank" in result["errors"]["full-with-group"]

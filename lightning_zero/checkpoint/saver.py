@@ -112,6 +112,51 @@ def training_timeout() -> timedelta:
     return process_group_timeout()
 
 
+@dataclass(frozen=True)
+class _Team:
+    """The ranks one save or load runs over, and its coordinator.
+
+    The default is every rank, over the coordination group, coordinated by rank 0. With the
+    functional API's ``process_group`` (SageMaker's argument: a replica group saving as a unit),
+    only that group's ranks take part; its ``coordinator_rank`` (a global rank; default: the
+    group's lowest) names the version directory and writes the commit marker and ``objects.pt``."""
+
+    group: Any  # a gloo group (background coordination and DCP run on it), None with one process
+    rank: int  # this rank's position in the team
+    world_size: int
+    coordinator: int  # the coordinator's position in the team
+    coordinator_global: int  # its global rank
+    default: bool  # every rank, coordinated by rank 0 (what the Trainer and plugin use)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+
+def _team(process_group: Any = None, coordinator_rank: int | None = None) -> _Team:
+    """(training thread) Validate the functional API's group arguments; the same on every rank."""
+    rank, world_size = _world()
+    if process_group is None:
+        coordinator = 0 if coordinator_rank is None else coordinator_rank
+        if not 0 <= coordinator < world_size:
+            raise ValueError(f"coordinator_rank={coordinator_rank} is not a rank of the world (size {world_size}).")
+        return _Team(coordination_group(), rank, world_size, coordinator, coordinator, coordinator == 0)
+    if "gloo" not in dist.get_backend(process_group):
+        raise ValueError(
+            f"process_group must be a gloo group (its backend is {dist.get_backend(process_group)!r}): saves"
+            " coordinate on a background thread with CPU collectives. Create it with"
+            " torch.distributed.new_group(ranks, backend='gloo')."
+        )
+    ranks = dist.get_process_group_ranks(process_group)
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in process_group (ranks {ranks}): only its ranks may call this.")
+    coordinator_global = ranks[0] if coordinator_rank is None else coordinator_rank
+    if coordinator_global not in ranks:
+        raise ValueError(f"coordinator_rank={coordinator_rank} is not in process_group (ranks {ranks}).")
+    return _Team(process_group, ranks.index(rank), len(ranks), ranks.index(coordinator_global), coordinator_global,
+                 len(ranks) == world_size and coordinator_global == 0)
+
+
 def _all_gather_objects(value: Any, group: Any) -> list[Any]:
     if _world()[1] == 1:
         return [value]
@@ -296,16 +341,25 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
+               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
+               process_group: Any = None, coordinator_rank: int | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
 
     ``marker_fields`` (rank 0's are used): small plain values copied into the commit marker, where
-    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py)."""
+    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py).
+
+    ``process_group`` (a gloo group; default: every rank) and ``coordinator_rank`` (a global rank in
+    it; default: its lowest) as in SageMaker's API: only the group's ranks save, as a unit (e.g. one
+    replica group), and the coordinator commits. ``local`` and ``sharded`` only: ``full`` gathers to
+    rank 0 of the whole world."""
     called = time.perf_counter()
     validate_mode(mode)
-    group = coordination_group()
+    team = _team(process_group, coordinator_rank)
+    if mode == "full" and not team.default:
+        raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
+                         " or use mode='sharded' for a group of ranks.")
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
@@ -313,21 +367,29 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields, ready, stats, called),
+    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, team, staged, fields, ready, stats, called),
                   stats)
     stats.blocked_s = time.perf_counter() - called
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
+         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
+         process_group: Any = None, coordinator_rank: int | None = None) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
-    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields)
+    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields,
+               process_group=process_group, coordinator_rank=coordinator_rank)
     maybe_finalize_async_calls(blocking=True)
 
 
-def maybe_finalize_async_calls(blocking: bool = True) -> bool:
+def maybe_finalize_async_calls(blocking: bool = True, process_group: Any = None,
+                               coordinator_rank: int | None = None) -> bool:
     """Finish the save in flight (``blocking``) or check on it; True when none is left.
-    Raises :class:`CheckpointSaveError` if it failed."""
+    Raises :class:`CheckpointSaveError` if it failed.
+
+    ``process_group``/``coordinator_rank`` are accepted as in SageMaker's API and validated; a rank's
+    saves run one at a time in one worker, so this finishes the rank's save whichever group made it."""
+    if process_group is not None or coordinator_rank is not None:
+        _team(process_group, coordinator_rank)
     return _SAVER.finalize(blocking)
 
 
@@ -375,7 +437,7 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 # ---- the background job -------------------------------------------------------------------
 
 
-def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
+def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, staged: threading.Event,
               marker_fields: dict[str, Any], ready: Any = None, stats: SaveStats | None = None,
               called: float | None = None) -> None:
     """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
@@ -384,7 +446,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     collective the failing rank skipped. Exchanges: (1) before any data is written, (2) inside
     DCP / the ``full`` gathers, which fail on every rank together, (3) after writing, (4) the commit.
     """
-    rank, world_size = _world()
+    group, rank, world_size, coordinator = team.group, team.rank, team.world_size, team.coordinator
     error: str | None = None
     started = time.perf_counter()
     try:
@@ -400,9 +462,9 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     if error is None:
         error = _preflight(loc, mode, rank)
     # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go on.
-    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == 0 else None
+    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == coordinator else None
     gathered = _all_gather_objects((proposal, error), group)
-    version_dir, save_id = gathered[0][0]
+    version_dir, save_id = gathered[coordinator][0]
     errors = [e for _, e in gathered if e]
     if errors:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
@@ -413,7 +475,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
         elif mode == "sharded":
-            planned_bytes = _write_sharded(state, loc, version_dir, group, save_id)
+            planned_bytes = _write_sharded(state, loc, version_dir, team, save_id)
         else:
             _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
@@ -421,7 +483,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     written = time.perf_counter()
     errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
-        if rank == 0 and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
+        if rank == coordinator and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
             # (An unreachable store keeps the partial version: nothing points at it, and the next
             # successful save of this name deletes it with the other stale versions.)
             _discard(loc, version_dir)
@@ -429,7 +491,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
         )
     commit_error: str | None = None
-    if rank == 0 and mode != "full":
+    if rank == coordinator and mode != "full":
         try:
             # The data directory relative to the marker's folder: a copy of the marker beside it (a
             # `save_last="link"` on S3) names the same data.
@@ -447,7 +509,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             except Exception as exc:  # committed already; leftovers only cost space
                 log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
     # (4) Every rank learns whether the commit happened, so every rank raises if it did not.
-    commit_error = _all_gather_objects(commit_error, group)[0] if mode != "full" else commit_error
+    commit_error = _all_gather_objects(commit_error, group)[coordinator] if mode != "full" else commit_error
     if commit_error:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
     if stats is not None:
@@ -582,7 +644,7 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
     _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> int | None:
+def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str) -> int | None:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata)."""
@@ -601,12 +663,14 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
         planner = _spread_planner() if _has_replicas(state) else DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
+        # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
+        # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
+        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
-    if _world()[0] == 0:
+    if team.is_coordinator:
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
-        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes)
+        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
     return getattr(planner, "bytes_planned", None)
 
@@ -896,7 +960,8 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str, *,
-         storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+         storage_options: dict[str, Any] | None = None, process_group: Any = None,
+         coordinator_rank: int | None = None) -> dict[str, Any]:
     """Fill the tensors and :class:`FlatShard` leaves of ``state_dict`` in place from a checkpoint
     of any mode (``sharded`` and ``full`` at any world size, ``local`` at the one it was saved
     with). Returns the checkpoint's non-tensor content (and, for ``full``, everything).
@@ -905,21 +970,26 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     read error, another model) is read and checked first, then the ranks agree (one exchange over the
     coordination group) before any of them copies a tensor or enters DCP's collectives: all fail
     together, each naming the failing rank, instead of the others waiting in DCP.
+
+    ``process_group`` (a gloo group) and ``coordinator_rank``: only that group's ranks load, as a
+    unit, and their exchanges run over it (see :func:`async_save`); a ``local`` checkpoint is then
+    read by the rank's position in the group.
     """
     maybe_finalize_async_calls(blocking=True)
+    team = _team(process_group, coordinator_rank)
     loc = storage.resolve(checkpoint_id, storage_options)
     error: BaseException | None = None
     finish: Callable[[], dict[str, Any]] | None = None
     try:
-        finish = _prepare_load(state_dict, loc)
+        finish = _prepare_load(state_dict, loc, team)
     except Exception as exc:
         error = exc
-    agree(error, loc)
+    agree(error, loc, team)
     assert finish is not None
     return finish()
 
 
-def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dict[str, Any]]:
+def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team) -> Callable[[], dict[str, Any]]:
     """Read and check without touching ``state_dict``; returns what completes the load."""
     marker = storage.read_marker(loc)
     if marker is None:
@@ -928,22 +998,23 @@ def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dic
         return lambda: _copy_into(state_dict, content, loc.url)
     mode = marker.get("mode")
     if mode == "local":
-        content = _read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, _world()[1]))
-        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), *_world()))
+        content = _read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, team.world_size),
+                              team=team)
+        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), team.rank, team.world_size))
         return lambda: _copy_into(state_dict, content, loc.url)
     if mode == "sharded":
-        return _prepare_sharded(state_dict, loc, marker)
+        return _prepare_sharded(state_dict, loc, marker, team)
     raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
 
 
-def agree(error: BaseException | None, loc: Location) -> None:
-    """(collective over the coordination group when there is more than one rank) Raise on every rank
-    if any rank failed: this rank's own error, or one that names the failing ranks."""
+def agree(error: BaseException | None, loc: Location, team: _Team | None = None) -> None:
+    """(collective over the coordination group, or the team's, when there is more than one rank) Raise
+    on every rank if any rank failed: this rank's own error, or one that names the failing ranks."""
     rank, world_size = _world()
     reports: list[str | None] = [None]
-    if world_size > 1:
+    if world_size > 1 and (team is None or team.world_size > 1):
         report = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        reports = _all_gather_objects(report, coordination_group())
+        reports = _all_gather_objects(report, coordination_group() if team is None else team.group)
     if error is not None:
         raise error
     failed = [r for r in reports if r]
@@ -1049,10 +1120,10 @@ def _check_version_dir(loc: Location, marker: dict[str, Any]) -> str:
 
 
 def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None,
-                shard_group_size: int | None = None) -> Any:
+                shard_group_size: int | None = None, team: _Team | None = None) -> Any:
     """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
     replica groups of the same ``shard_group_size``: see :func:`_check_local_world`), checked."""
-    own_rank, world_size = _world()
+    own_rank, world_size = (team.rank, team.world_size) if team is not None else _world()
     if rank is None or rank == own_rank:
         _check_local_world(loc, marker, world_size, shard_group_size)
     return read_rank_file(loc, marker, own_rank if rank is None else rank)
@@ -1236,7 +1307,8 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
     return version_dir, objects, found, reader, metadata
 
 
-def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
+                     team: _Team | None = None) -> Callable[[], dict[str, Any]]:
     _, objects, found, reader, metadata = open_sharded(loc, marker)
     # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
@@ -1244,7 +1316,7 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
     check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
-    return lambda: _load_sharded(state_dict, targets, reader, loc, objects)
+    return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team)
 
 
 def _empty_like(leaf: Any) -> Any:
@@ -1254,11 +1326,11 @@ def _empty_like(leaf: Any) -> Any:
 
 
 def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
-                  objects: dict[str, Any]) -> dict[str, Any]:
+                  objects: dict[str, Any], team: _Team | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, storage_reader=reader, process_group=coordination_group())
+        dcp.load(targets, storage_reader=reader, process_group=coordination_group() if team is None else team.group)
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         cause = _dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):
