@@ -97,12 +97,13 @@ def disk_size(checkpoints: Path, name: str) -> int | None:
 
 
 def megabytes(n: float | None) -> str:
-    return "removed" if n is None else f"{n / 1e6:.1f} MB"
+    return "removed" if n is None else f"{n / 1e6:.1f} MB"  # removed: older than the newest save_top_k
 
 
 def checkpoint_name(checkpoints: Path, step: int) -> str:
+    """The file of the save at ``step``; a save that ``save_top_k`` has removed since shows its step."""
     found = sorted(p.name for p in checkpoints.glob(f"*-step={step}.ckpt"))
-    return found[0] if found else f"epoch=?-step={step}.ckpt"
+    return found[0] if found else f"step={step}"
 
 
 def main() -> int:

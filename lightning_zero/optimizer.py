@@ -63,6 +63,7 @@ class ZeroOptimizer(Optimizer):
         groups = list(inner.param_groups)
         super().__init__(groups, inner.defaults)
         self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+        self._skip_update = False
 
     # The inner optimizer is the one source of truth for groups, state and defaults.
     @property  # type: ignore[override]
@@ -103,9 +104,19 @@ class ZeroOptimizer(Optimizer):
         self._prepare_update()
         for hook in list(self._pre_update_hooks.values()):
             hook()
+        if self._skip_update:
+            # Every rank decided this together (the strategy's non-finite loss check): no shard
+            # changes, so no gather either; zero_grad then drops the (zero) gradients.
+            self._skip_update = False
+            return loss
         self.inner.step()
         self.gather_params()
         return loss
+
+    def skip_next_update(self) -> None:
+        """Make the next :meth:`step` run its closure but leave the shards and their state as they
+        are. Call it on every rank alike (the collectives of the step must still match)."""
+        self._skip_update = True
 
     def _prepare_update(self) -> None:
         """Before anything reads or writes the shards: the last step's gathers done (for fp32

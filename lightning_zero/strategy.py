@@ -59,9 +59,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every training
             step, as DDP does by default; checkpoints always hold rank 0's buffers.
         nonfinite_loss: ``"raise"`` checks every training step's loss on every rank (one tiny
-            all-reduce, and a host sync on GPUs, per step) and stops all ranks together with a
+            all-gather, and a host sync on GPUs, per step) and stops all ranks together with a
             ``FloatingPointError`` naming the step and the ranks whose loss was NaN/inf, before
-            backward spreads it into the weights; ``"ignore"`` (default) adds nothing to the step.
+            backward spreads it into the weights; ``"skip"`` makes the same check and, instead of
+            stopping, skips that step's update on every rank with a warning (the weights and the
+            optimizer state stay as they were; the LR scheduler still steps); ``"ignore"`` (default)
+            adds nothing to the step.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -85,13 +88,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         broadcast_buffers: bool = True,
-        nonfinite_loss: Literal["ignore", "raise"] = "ignore",
+        nonfinite_loss: Literal["ignore", "raise", "skip"] = "ignore",
     ) -> None:
-        if nonfinite_loss not in ("ignore", "raise"):
-            raise ValueError(
-                f"nonfinite_loss must be 'ignore' or 'raise', got {nonfinite_loss!r}. (Skipping the step instead is"
-                " not supported: for 16-mixed the loss scaler already skips steps whose gradients overflow.)"
-            )
+        if nonfinite_loss not in ("ignore", "raise", "skip"):
+            raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
                                       shard_group_size)
@@ -190,12 +190,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
             assert self.model is not None
             ckpt_trainer.broadcast_buffers(self.model)
         output = super().training_step(*args, **kwargs)
-        if self.nonfinite_loss == "raise" and self._engine_live:
-            self._check_finite_loss(output)
+        if self.nonfinite_loss != "ignore" and self._engine_live:
+            output = self._check_finite_loss(output)
         return output
 
-    def _check_finite_loss(self, output: Any) -> None:
-        """(collective, every rank) Raise on every rank if the loss of any rank is not finite."""
+    def _check_finite_loss(self, output: Any) -> Any:
+        """(collective, every rank) Raise on every rank if the loss of any rank is not finite, or,
+        with ``nonfinite_loss="skip"``, hand back a zero loss and skip the step's update everywhere."""
         loss = output.get("loss") if isinstance(output, dict) else output
         value = float(loss.detach().float().sum()) if isinstance(loss, Tensor) else 0.0
         finite = torch.tensor([1.0 if math.isfinite(value) else 0.0], device=self.root_device)
@@ -205,14 +206,28 @@ class ZeroLowLevelStrategy(DDPStrategy):
         else:
             flags[0].copy_(finite)
         bad = [rank for rank, flag in enumerate(flags) if not flag.item()]
-        if bad:
-            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
-            raise FloatingPointError(
-                f"The training loss is not finite at global step {step} on rank(s) {bad} (this is rank"
-                f" {self.global_rank}, loss {value}); every rank stops here, before backward puts NaN/inf into the"
-                " weights. Lower the learning rate, clip gradients, check the batch, or resume from the last"
-                " checkpoint. (ZeroLowLevelStrategy(nonfinite_loss='raise'))"
-            )
+        if not bad:
+            return output
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+        if self.nonfinite_loss == "skip":
+            rank_zero_warn(f"The training loss is not finite at global step {step} on rank(s) {bad}: the update of"
+                           " this step is skipped on every rank (ZeroLowLevelStrategy(nonfinite_loss='skip')).")
+            for optimizer in self.engine.optimizers:
+                optimizer.skip_next_update()
+            # Backward still runs on every rank (its reductions must match), on a loss that gives every
+            # parameter a zero gradient instead of spreading the NaN/inf.
+            assert self.lightning_module is not None
+            zero = sum((p.sum() * 0.0 for p in self.lightning_module.parameters() if p.requires_grad),
+                       torch.zeros((), device=self.root_device))
+            if isinstance(output, dict):
+                return {**output, "loss": zero}
+            return zero
+        raise FloatingPointError(
+            f"The training loss is not finite at global step {step} on rank(s) {bad} (this is rank"
+            f" {self.global_rank}, loss {value}); every rank stops here, before backward puts NaN/inf into the"
+            " weights. Lower the learning rate, clip gradients, check the batch, skip such steps with"
+            " nonfinite_loss='skip', or resume from the last checkpoint. (ZeroLowLevelStrategy(nonfinite_loss='raise'))"
+        )
 
     def _route_precision_plugin(self) -> None:
         """Make Lightning's clipping and fp16 loss scaling see all shards, not this rank's.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROW = re.compile(r"^(epoch=\d+-step=(\d+)\.ckpt)\s+(\d)\s+([\d.]+ MB|removed)\s+([\d.]+) ms\s+(\d+) ms$")
+ROW = re.compile(r"^((?:epoch=\d+-)?step=(\d+)(?:\.ckpt)?)\s+(\d)\s+([\d.]+ MB|removed)\s+([\d.]+) ms\s+(\d+) ms$")
 
 
 def logged_blocked_ms(metrics_csv: Path) -> dict[int, float]:
