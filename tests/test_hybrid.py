@@ -141,3 +141,40 @@ def test_hybrid_layout_groups() -> None:
     assert HybridLayout(6, 6).is_flat and HybridLayout(6, 6).num_replicas == 1
     with pytest.raises(ValueError, match=r"Valid choices at world size 6: \[1, 2, 3, 6\]"):
         check_shard_group_size(4, 6)
+
+
+TRAINER_CASE = Case(optimizer="adamw", steps=3, accumulate=2, clip_norm=0.05, scheduler=True)
+
+
+@functools.cache
+def trainer_fit() -> dict[str, Any]:
+    from lightning.pytorch import Trainer
+    from lightning_cases import NetModule, ZeroProbe, loader
+
+    module = NetModule(TRAINER_CASE.optimizer, scheduler=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, max_epochs=1, accumulate_grad_batches=TRAINER_CASE.accumulate,
+        strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, shard_group_size=2,
+                                      start_method="forkserver"),  # type: ignore[arg-type]
+        gradient_clip_val=TRAINER_CASE.clip_norm, use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[ZeroProbe()],
+    )
+    trainer.fit(module, loader(TRAINER_CASE.steps, TRAINER_CASE.accumulate, WORLD_SIZE))
+    probe = {k.removeprefix("probe/"): v for k, v in trainer.callback_metrics.items() if k.startswith("probe/")}
+    net: Any = module.net  # type: ignore[union-attr]
+    return {"params": {n: p.detach().clone() for n, p in net.named_parameters()}, "probe": probe}
+
+
+def test_trainer_2x2_with_clipping_accumulation_and_scheduler_matches_pytorch() -> None:
+    from engine_cases import run_reference
+
+    result = trainer_fit()
+    expected = run_reference(WORLD_SIZE, TRAINER_CASE)
+    for fqn, value in expected.items():
+        torch.testing.assert_close(result["params"][fqn], value, atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, f=fqn: f"{f}: {m}")
+    assert result["probe"]["rank_param_spread"].item() == 0.0
+    numels = [p.numel() for p in initial_model().parameters()]
+    assert result["probe"]["shard_numels"].tolist() == [
+        sum(EvenShard(n, 2).shard_numel(rank % 2) for n in numels) for rank in range(WORLD_SIZE)]
