@@ -138,3 +138,40 @@ def test_group_arguments_are_validated_on_every_rank(root: str) -> None:
     for result in by_group(root):
         assert "is not in process_group" in result["errors"]["coordinator-outside"]
         assert "mode='full' saves over every rank" in result["errors"]["full-with-group"]
+
+
+def _hybrid_trainer(mode: str, dirpath: Path, max_epochs: int) -> Any:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zero import ZeroLowLevelStrategy
+    from lightning_zero.checkpoint import ZeroCheckpointIO
+
+    return Trainer(
+        accelerator="cpu", devices=4, max_epochs=max_epochs, use_distributed_sampler=False, logger=False,
+        strategy=ZeroLowLevelStrategy(stage=2, shard_group_size=2, start_method="forkserver"),  # type: ignore[arg-type]
+        plugins=[ZeroCheckpointIO(mode=mode)],  # type: ignore[arg-type]
+        callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(dirpath),
+    )
+
+
+def _hybrid_fit(trainer: Any, ckpt_path: str | None = None, perturb: bool = False) -> dict[str, torch.Tensor]:
+    from lightning_cases import NetModule, loader
+
+    module = NetModule(scheduler=True)
+    if perturb:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    trainer.fit(module, loader(2, 1, 4), ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local"])
+def test_trainer_2x2_resumes_from_last_exactly(tmp_path: Path, mode: str) -> None:
+    uninterrupted = _hybrid_fit(_hybrid_trainer(mode, tmp_path / "straight", 2))
+    _hybrid_fit(_hybrid_trainer(mode, tmp_path / "resumed", 1))
+    resumed = _hybrid_fit(_hybrid_trainer(mode, tmp_path / "resumed", 2), ckpt_path="last", perturb=True)
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
