@@ -175,3 +175,18 @@ def test_trainer_2x2_resumes_from_last_exactly(tmp_path: Path, mode: str) -> Non
     resumed = _hybrid_fit(_hybrid_trainer(mode, tmp_path / "resumed", 2), ckpt_path="last", perturb=True)
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+def test_convert_reads_a_2x2_checkpoint_in_one_process(root: str, mode: str) -> None:
+    from lightning_zero.checkpoint import convert
+
+    folder, results = saved("N2xR2", root)
+    expected = results[0]["full"]
+    out = folder / f"converted-{mode}.ckpt"
+    convert(str(folder / f"{mode}.ckpt"), str(out))
+    content = torch.load(out, weights_only=True)
+    # A functional-API tree saved whole ('full') keeps its own layout; the others become Lightning's.
+    weights = content["model"] if mode == "full" else content["state_dict"]
+    for fqn, value in expected["master"].items():
+        assert torch.equal(weights[fqn].float(), value), f"{mode}: {fqn}"
