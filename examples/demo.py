@@ -4,7 +4,9 @@
    ``examples/tiny_gpt.py`` with ZeRO-2 and async ``sharded`` checkpoints under ``<root>/checkpoints``;
 2. the same command with ``--trainer.devices 3 --ckpt_path last``: the optimizer state saved by 2
    ranks is resharded to 3 and training continues from the saved step;
-3. ``lightning-zero convert`` of the last checkpoint to one ``full`` Lightning file;
+3. ``lightning-zero convert`` of the last checkpoint to one ``full`` Lightning file, and, when
+   ``transformers`` is installed, a short run of ``examples/hf_gpt2.py`` (TinyGPT is no transformers
+   model) whose checkpoint ``convert --to hf`` turns into a ``save_pretrained`` folder;
 4. a summary read back from the runs' ``metrics.csv`` (the CSVLogger of the config): steps, loss,
    every checkpoint with its size, how long it blocked the training loop and when it committed.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -112,6 +115,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps on 2 processes")
     parser.add_argument("--resume-steps", type=int, default=40, help="further steps after resuming on 3 processes")
     parser.add_argument("--small", action="store_true", help="a smaller model (for tests)")
+    parser.add_argument("--hf-steps", type=int, default=20,
+                        help="steps of examples/hf_gpt2.py before its checkpoint is converted to a Hugging Face"
+                        " folder (0: skip; skipped anyway without transformers)")
     options = parser.parse_args()
     root = Path(options.root)
     if not root.is_absolute():
@@ -134,8 +140,22 @@ def main() -> int:
     export = root / "export" / "model.ckpt"
     run(command("convert", str(checkpoints / "last.ckpt"), str(export)),
         f"lightning-zero convert {shown_root}/checkpoints/last.ckpt {shown_root}/export/model.ckpt")
-    hf_note = ("a Hugging Face folder (--to hf) needs a module holding a transformers model; TinyGPT is plain"
-               " PyTorch (examples/hf_gpt2.py is one that exports)")
+    hf_folder = root / "export" / "hf"
+    if options.hf_steps > 0 and importlib.util.find_spec("transformers") is not None:
+        # TinyGPT is plain PyTorch: a Hugging Face folder needs a module holding a transformers model,
+        # so the transformers example trains briefly and its checkpoint is converted.
+        hf_root = root / "hf_gpt2"
+        run([sys.executable, "examples/hf_gpt2.py", "--root", str(hf_root), "--steps", str(options.hf_steps),
+             "--save-every", str(options.hf_steps)],
+            f"python examples/hf_gpt2.py --root {shown_root}/hf_gpt2 --steps {options.hf_steps}"
+            f" --save-every {options.hf_steps}")
+        run(command("convert", str(hf_root / "checkpoints" / "last.ckpt"), str(hf_folder), "--to", "hf"),
+            f"lightning-zero convert {shown_root}/hf_gpt2/checkpoints/last.ckpt {shown_root}/export/hf --to hf")
+        hf_line = (f"  hf export    {shown_root}/export/hf/  (a transformers GPT-2 trained by examples/hf_gpt2.py:"
+                   " AutoModelForCausalLM.from_pretrained reads it)")
+    else:
+        reason = "--hf-steps 0" if options.hf_steps <= 0 else "transformers is not installed"
+        hf_line = f"  skipped      the Hugging Face export ({reason})"
 
     train = read_run(root / "logs" / "version_0" / "metrics.csv")
     resumed = read_run(root / "logs" / "version_1" / "metrics.csv")
@@ -164,7 +184,7 @@ def main() -> int:
     print(f"  metrics      {shown_root}/logs/version_0/metrics.csv, version_1/metrics.csv  (loss, checkpoint/*)")
     print(f"  export       {shown_root}/export/model.ckpt  ({megabytes(export.stat().st_size)}, one full Lightning file:"
           " torch.load / load_from_checkpoint, no lightning_zero needed)")
-    print(f"  skipped      {hf_note}")
+    print(hf_line)
     return 0
 
 

@@ -34,9 +34,11 @@ from lightning_zero.checkpoint import save_pretrained  # noqa: E402
 
 
 def tiny_gpt2_config(vocab: int = 64, context: int = 32) -> GPT2Config:
-    # No dropout, so the exported model computes exactly the trained module's logits.
+    # No dropout, so the exported model computes exactly the trained module's logits; the special tokens
+    # inside this vocabulary (GPT-2's default, 50256, is outside it and transformers warns).
     return GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab, n_positions=context,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                      bos_token_id=vocab - 1, eos_token_id=vocab - 1)
 
 
 class GPT2Module(LightningModule):
@@ -47,6 +49,8 @@ class GPT2Module(LightningModule):
         self.save_hyperparameters()
         torch.manual_seed(seed)  # the same random init on every rank
         self.model = GPT2LMHeadModel(tiny_gpt2_config(vocab, context))
+        # The loss transformers would pick anyway, named so that it does not warn at every forward.
+        self.model.loss_type = "ForCausalLM"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids).logits
@@ -57,6 +61,9 @@ class GPT2Module(LightningModule):
         self.log("loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(batch[:, :-1], labels=batch[:, :-1]).loss, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
@@ -66,13 +73,15 @@ def main() -> int:
     parser.add_argument("--root", default="runs/hf_gpt2")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=20, help="steps between checkpoints")
     options = parser.parse_args()
     root = Path(options.root)
     trainer = Trainer(
         accelerator="cpu", devices=options.devices, max_steps=options.steps, default_root_dir=root,
         strategy=ZeroLowLevelStrategy(stage=2),
         plugins=[ZeroCheckpointIO(mode="sharded", async_save=True)],
-        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=20, save_last="link")],
+        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=options.save_every,
+                                   save_last="link")],
         logger=False,
     )
     module = GPT2Module()

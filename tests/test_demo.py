@@ -25,7 +25,7 @@ def logged_blocked_ms(metrics_csv: Path) -> dict[int, float]:
 def test_demo_resumes_from_the_saved_step_and_reports_each_saves_blocked_time(tmp_path: Path) -> None:
     root = tmp_path / "demo"
     done = subprocess.run([sys.executable, "examples/demo.py", "--root", str(root), "--steps", "20",
-                           "--resume-steps", "20", "--small"], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--resume-steps", "20", "--small", "--hf-steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     # The resumed run (3 processes) starts where the first (2 processes) saved.
@@ -44,4 +44,6 @@ def test_demo_resumes_from_the_saved_step_and_reports_each_saves_blocked_time(tm
         assert float(committed) > 0
         assert size.endswith(" MB") and (root / "checkpoints" / name).is_file()
     assert (root / "export" / "model.ckpt").is_file()
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForCausalLM.from_pretrained(root / "export" / "hf")  # the --to hf export loads
     assert "last.ckpt -> epoch=0-step=40.ckpt" in done.stdout
