@@ -25,6 +25,7 @@ Usage::
     .venv/bin/python bench/checkpoint.py --quick         # 64 MiB, smoke run
     .venv/bin/python bench/checkpoint.py --size-mb 1024 --repeats 5 --reshard-world-sizes 1 3
     .venv/bin/python bench/checkpoint.py --integrity     # only: write/load rate with and without checksums
+    .venv/bin/python bench/checkpoint.py --hybrid        # only: a 2 x 2 hybrid save beside a flat 4-rank one
 
 The markdown report goes to stdout and to ``bench/out/checkpoint.md``.
 """
@@ -146,9 +147,10 @@ class Trainer:
         self.opt.zero_grad()
 
 
-def build_trainer(settings: Settings, rank: int) -> Trainer:
+def build_trainer(settings: Settings, rank: int, shard_group_size: int | None = None) -> Trainer:
     model = build_model(model_width(settings.size_mb), settings.seed)
-    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-4)], ZeroConfig(stage=2))
+    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-4)],
+                        ZeroConfig(stage=2, shard_group_size=shard_group_size))
     generator = torch.Generator().manual_seed(settings.seed + 1 + rank)
     batch = torch.randn(settings.batch, model_width(settings.size_mb), generator=generator)
     return Trainer(model, engine, engine.optimizers[0], batch)
@@ -777,6 +779,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", default="/tmp", help="parent of the checkpoint directory (default /tmp)")
     parser.add_argument("--out", type=Path, default=None,
                         help="report file (default bench/out/checkpoint.md; --integrity: checkpoint-integrity.md)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="only: sharded saves of a 2 x 2 hybrid engine (shard_group_size=2) and a flat one at"
+                             " 4 ranks: bytes per rank and write rate (64 MiB, 3 repeats)")
     parser.add_argument("--integrity", action="store_true",
                         help="only the cost of the checksums: save/load rate with and without (128 MiB, 3 repeats)")
     return parser.parse_args(argv)
@@ -786,6 +791,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.integrity:
         main_integrity(args, argv)
+        return
+    if args.hybrid:
+        main_hybrid(args, argv)
         return
     args.out = args.out or OUT_DIR / "checkpoint.md"
     size_mb = args.size_mb or (64 if args.quick else 512)
@@ -818,6 +826,77 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+
+
+HYBRID_LAYOUTS = {"2 x 2 (shard_group_size=2)": 2, "flat (shard_group_size=None)": None}
+HYBRID_WORLD_SIZE = 4
+
+
+def hybrid_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
+    """Per layout: ``repeats`` synchronous ``sharded`` saves after one step; this rank's bytes and write seconds."""
+    from lightning_zero.checkpoint import last_save_stats, save
+
+    out: dict[str, Any] = {}
+    for label, size in HYBRID_LAYOUTS.items():
+        trainer = build_trainer(settings, rank, shard_group_size=size)
+        trainer.forward_backward()
+        trainer.optimizer_step()
+        trainer.engine.finish_param_gather()
+        tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model)
+        runs = []
+        for repeat in range(settings.repeats):
+            path = os.path.join(settings.root, f"hybrid-{size}-{repeat}", "ckpt")
+            save(tree, path, mode="sharded")
+            stats = last_save_stats()
+            assert stats is not None
+            runs.append((stats.bytes_written, stats.write_s))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        out[label] = {"runs": runs, "state_bytes": tree_bytes(tree)}
+        trainer.engine.close()
+    everyone: list[Any] = [None] * world_size  # run_world hands back rank 0's result only
+    dist.all_gather_object(everyone, out)
+    return everyone
+
+
+def main_hybrid(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
+    os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="lz-ckpt-hybrid-", dir=args.dir)
+    settings = Settings(size_mb=args.size_mb or 64, repeats=args.repeats or 3, root=root, reshard_world_sizes=(),
+                        world_size=HYBRID_WORLD_SIZE)
+    machine = describe_machine(root)
+    start = now()
+    try:
+        ranks = run_world(hybrid_run, HYBRID_WORLD_SIZE, settings)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    lines = [
+        f"# Hybrid sharded save ({settings.size_mb} MiB of state, {HYBRID_WORLD_SIZE} gloo ranks,"
+        f" {settings.repeats} repeats, median)", "", f"Command: `{command}` ({now() - start:.0f} s). {machine}", "",
+        "| layout | state held per rank MiB | written per rank MiB (min-max) | total written MiB | max/mean"
+        " | write rate per rank MB/s (slowest) | aggregate MB/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label in HYBRID_LAYOUTS:
+        written = [statistics.median(b for b, _ in r[label]["runs"]) for r in ranks]
+        seconds = [statistics.median(t for _, t in r[label]["runs"]) for r in ranks]
+        held = max(r[label]["state_bytes"] for r in ranks)
+        total = sum(written)
+        mean = total / len(written)
+        lines.append(
+            f"| {label} | {held / MIB:.1f} | {min(written) / MIB:.1f}-{max(written) / MIB:.1f} | {total / MIB:.1f}"
+            f" | {max(written) / mean:.3f} | {min(w / t for w, t in zip(written, seconds)) / 1e6:.0f}"
+            f" | {total / max(seconds) / 1e6:.0f} |")
+    lines += ["", "Each rank of the 2 x 2 run holds half the state (two replica groups hold a copy each); the"
+              " sharded save writes each shard once, spread over the replica groups, so the total equals one"
+              " copy, as in the flat run. Write rate: this rank's bytes over DCP's write phase (SaveStats.write_s)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or OUT_DIR / "checkpoint-hybrid.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 def main_integrity(args: argparse.Namespace, argv: Sequence[str] | None) -> None:

@@ -64,6 +64,15 @@ from lightning_zero.sharding import EvenShard
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 METHODS = ("ddp", "zero1", "zero2", "ddp+zero_redundancy", "fsdp_shard_grad_op")
+HYBRID_SHARD_GROUP_SIZE = 2
+HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
+"""ZeRO-2 sharded within groups of 2 ranks, replicated across them (``shard_group_size=2``)."""
+
+
+def methods_for(world_size: int) -> tuple[str, ...]:
+    """The hybrid row only where it differs from flat zero2: 2+ shard groups of 2 (world size 4: 2 x 2)."""
+    hybrid = world_size > HYBRID_SHARD_GROUP_SIZE and world_size % HYBRID_SHARD_GROUP_SIZE == 0
+    return METHODS + ((HYBRID,) if hybrid else ())
 PHASES = ("forward", "backward", "step", "zero_grad")
 MIB = 1024 * 1024
 
@@ -221,11 +230,11 @@ class Method:
 class ZeroMethod(Method):
     keeps_fp32_master = True
 
-    def __init__(self, model: GPT, settings: BenchSettings, stage: int) -> None:
-        self.name = f"zero{stage}"
+    def __init__(self, model: GPT, settings: BenchSettings, stage: int, shard_group_size: int | None = None) -> None:
+        self.name = f"zero{stage}" + (f"_hybrid{shard_group_size}" if shard_group_size else "")
         inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
-                            overlap_param_gather=True)
+                            overlap_param_gather=True, shard_group_size=shard_group_size)
         self.engine = ZeroEngine(model, [inner], config)
         super().__init__(model, self.engine.optimizers[0])
 
@@ -310,6 +319,7 @@ def build_method(name: str, settings: BenchSettings) -> Method:
         "ddp": lambda: DDPMethod(model, settings),
         "zero1": lambda: ZeroMethod(model, settings, stage=1),
         "zero2": lambda: ZeroMethod(model, settings, stage=2),
+        HYBRID: lambda: ZeroMethod(model, settings, stage=2, shard_group_size=HYBRID_SHARD_GROUP_SIZE),
         "ddp+zero_redundancy": lambda: ZeroRedundancyMethod(model, settings),
         "fsdp_shard_grad_op": lambda: FSDPMethod(model, settings),
     }
@@ -461,7 +471,8 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     batches = make_batches(settings, rank, rounds + 1)
     methods: dict[str, Method] = {}
     resident: dict[str, int] = {}
-    for name in METHODS:
+    names = methods_for(world_size)
+    for name in names:
         # What a method keeps resident: its model, gradients, optimizer state and buffers after
         # one step (the first warm-up step), as RSS growth in a process where the methods built
         # before it are alive and their freed memory was handed back.
@@ -473,10 +484,10 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
         methods[name].finish()
         release_free_memory()
         resident[name] = rss_bytes() - before
-    phase_seconds: dict[str, list[list[float]]] = {name: [] for name in METHODS}
+    phase_seconds: dict[str, list[list[float]]] = {name: [] for name in names}
     for round_index in range(rounds):
-        shift = round_index % len(METHODS)
-        for name in METHODS[shift:] + METHODS[:shift]:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             # Ranks start each step together, so no rank's leftover work is billed to the next one.
             dist.barrier()
             _, phases = train_step(methods[name], batches[round_index])
@@ -489,7 +500,7 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     return [
         measure_holdings(methods[name], batches[rounds], world_size, reference, slowest_rank_ms(phase_seconds[name]),
                          resident[name])
-        for name in METHODS
+        for name in names
     ]
 
 
@@ -519,16 +530,19 @@ MODEL_STATE_FORMULA = {
     "zero1": (4 + 4, 8 + 4),  # P_os with an fp32 master (K = 12); see memory_note for the grads
     "zero2": (4, 4 + 8 + 4),  # P_os+g
     "fsdp_shard_grad_op": (4, 4 + 8),  # P_os+g (full parameters only from forward to backward)
+    HYBRID: (4, 4 + 8 + 4),  # zero2's, divided over the shard group only (see formula_bytes)
 }
 FORMULA_TEXT = {
     "ddp": "(4+4+8)Ψ", "ddp+zero_redundancy": "(4+4)Ψ + 8Ψ/N", "zero1": "(4+4)Ψ + 12Ψ/N",
     "zero2": "4Ψ + 16Ψ/N", "fsdp_shard_grad_op": "4Ψ + 12Ψ/N",
+    HYBRID: f"4Ψ + 16Ψ/{HYBRID_SHARD_GROUP_SIZE}",
 }
 
 
 def formula_bytes(method: str, numel: int, world_size: int) -> float:
     replicated, sharded = MODEL_STATE_FORMULA[method]
-    return replicated * numel + sharded * numel / world_size
+    divided_over = HYBRID_SHARD_GROUP_SIZE if method == HYBRID else world_size
+    return replicated * numel + sharded * numel / divided_over
 
 
 def memory_table(results: list[MethodResult]) -> list[str]:
@@ -800,6 +814,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def hybrid_comparison(by_name: dict[str, MethodResult]) -> str:
+    """The hybrid row beside flat zero2 and DDP: its all-gathers and reduce-scatters span 2 ranks, its
+    second reduction hop carries 1/2 of the gradient bytes across the shard groups, and each rank
+    holds 1/2 (not 1/world size) of the optimizer state."""
+    hybrid, zero2 = by_name[HYBRID], by_name["zero2"]
+    return (f"- info: ws={hybrid.world_size} {HYBRID} (2 x {HYBRID_SHARD_GROUP_SIZE}) paired vs zero2"
+            f" {paired_ratio(hybrid, zero2):.3f}x, vs DDP {hybrid.vs_ddp:.3f}x; optimizer state per rank"
+            f" {max(hybrid.state_bytes) / MIB:.2f} MiB vs zero2 {max(zero2.state_bytes) / MIB:.2f} MiB; loss"
+            f" {hybrid.final_loss:.5f} vs {zero2.final_loss:.5f} (gloo: both hops are all-reduces, see"
+            " [Note: gloo reduce-scatter])")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     settings = QUICK if args.quick else FULL
@@ -815,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loads: list[str] = []
     for ws in args.world_sizes:
         loads.append(load_average())
-        print(f"world size {ws}: {len(METHODS)} methods, {settings.timed_rounds} timed rounds", flush=True)
+        print(f"world size {ws}: {len(methods_for(ws))} methods, {settings.timed_rounds} timed rounds", flush=True)
         world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
         by_name = {r.method: r for r in world}
         for r in world:
@@ -825,6 +851,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         results += world
         checks += memory_checks(by_name) + step_memory_checks(by_name) + speed_checks(by_name)
         infos.append(stage_comparison(by_name))
+        if HYBRID in by_name:
+            infos.append(hybrid_comparison(by_name))
     loads.append(load_average())
     text = report(settings, results, checks, infos,
                   header(settings, command, time.perf_counter() - start, loads), args.world_sizes)

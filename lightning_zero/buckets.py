@@ -38,6 +38,15 @@ gloo would move anyway; on backends with a native reduce-scatter (NCCL) both sta
 the bytes of an all-reduce: stage 1 needs only its row too). Either way the full gradients are
 freed at packing and only the fp32 shard outlives the bucket.
 
+[Note: hybrid reduction] With a shard group smaller than the world (``shard_group_size``), a
+bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: the reduce-scatter
+(or gloo's in-place all-reduce) within the shard group leaves this rank's row summed over its
+shard group, then that row alone (1/N of the bytes, flags included, so presence counts span the
+whole world) is all-reduced across the replica group. The second hop of bucket ``i`` is launched
+once bucket ``i + 1``'s first hop is on its way (:meth:`GradReducer._launch_next`), so both run
+during backward; each group sees its collectives in bucket order on every rank. Averaging divides
+by the whole world size.
+
 [Note: buffer pool] A bucket's ``[world_size, row_numel + k]`` buffer lives only from packing
 until its reduction is folded into the shard, and a gathered ``[world_size, row_numel]`` buffer
 only until it is copied into the parameters. At most ``MAX_IN_FLIGHT`` of either exist at once, so
@@ -177,10 +186,15 @@ class GradBucket:
 
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]],
                  world_size: int, rank: int, communicates: bool = True,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, average_over: int | None = None) -> None:
         self.index = index
-        self.world_size = world_size
-        self.rank = rank
+        self.world_size = world_size  # ranks sharing the shards: the shard group's size
+        self.rank = rank  # in the shard group
+        # Ranks whose gradients are averaged: the whole world, more than ``world_size`` when hybrid.
+        self.average_over = average_over or world_size
+        # Hybrid sharding: shard groups holding this split, and which of them this rank is in.
+        self.replicas = 1  # set by the engine
+        self.replica_rank = 0
         self.communicates = communicates  # False for optimized-but-frozen parameters
         first = named_params[0][1]
         self.dtype = first.dtype
@@ -232,19 +246,21 @@ class GradBucket:
             # reduction, so no rank keeps two full gradients alive.
             sp.param.grad = None
         if self.predivide:
-            buffer[:, : self.row_numel].div_(self.world_size)
+            buffer[:, : self.row_numel].div_(self.average_over)
 
     @property
     def predivide(self) -> bool:
         """Average as a SUM of pre-divided values only where the SUM could overflow (fp16);
         otherwise divide the reduced shard, 1/world_size of the data (ReduceOp.AVG is not on
         every backend)."""
-        return self.world_size > 1 and self.reduce_dtype == torch.float16
+        return self.average_over > 1 and self.reduce_dtype == torch.float16
 
     def launch_reduce(self, pool: BufferPool, slot: int, reduce_scatter: bool,
-                      group: dist.ProcessGroup | None, async_op: bool) -> None:
+                      group: dist.ProcessGroup | None, async_op: bool,
+                      replica_group: dist.ProcessGroup | None = None) -> None:
         """``reduce_scatter``: leave only this rank's row (native reduce-scatter backends); otherwise
-        all-reduce the buffer in place and take the row (gloo: see [Note: gloo reduce-scatter])."""
+        all-reduce the buffer in place and take the row (gloo: see [Note: gloo reduce-scatter]).
+        ``replica_group``: the second hop of [Note: hybrid reduction], launched by :meth:`advance_reduce`."""
         assert self.pending is None, f"bucket {self.index} launched twice in one backward"
         n = self.reduce_numel
         # The reduce-scatter output sits in the same slot, after the input.
@@ -262,14 +278,26 @@ class GradBucket:
         else:
             work = comm.all_reduce(buffer, group, async_op)
             output = buffer[self.rank]
-        self.pending = _PendingReduce(work, output, slot)
+        self.pending = _PendingReduce(work, output, slot, replica_group, async_op)
+
+    def advance_reduce(self) -> None:
+        """Hybrid only: once the shard group's hop is done, start the replica group's all-reduce of
+        this rank's row ([Note: hybrid reduction]). A no-op otherwise, or when already started."""
+        pending = self.pending
+        assert pending is not None
+        if pending.replica_group is None:
+            return
+        comm.wait(pending.work)
+        pending.work = comm.all_reduce(pending.output, pending.replica_group, pending.async_op)
+        pending.replica_group = None
 
     def finish_reduce(self, pool: BufferPool) -> None:
         """Wait for the reduction, add it to the fp32 shard gradient and the presence counts."""
+        self.advance_reduce()
         assert self.pending is not None
         pending, self.pending = self.pending, None
         comm.wait(pending.work)  # bounded: see [Note: bounded waits] in _collectives.py
-        scale = 1.0 if self.predivide or self.world_size == 1 else 1.0 / self.world_size
+        scale = 1.0 if self.predivide or self.average_over == 1 else 1.0 / self.average_over
         self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
         self.present_count.add_(pending.output[self.row_numel :])
         pool.give_back(pending.slot, self.device)  # the full-size buffer is free from here
@@ -304,6 +332,8 @@ class _PendingReduce:
     work: comm.Work
     output: Tensor  # this rank's row (in the pooled slot), flags after the chunks
     slot: int
+    replica_group: dist.ProcessGroup | None = None  # hybrid: the hop still to launch (None once launched)
+    async_op: bool = True
 
 
 @dataclass
@@ -450,10 +480,12 @@ class GradReducer:
 
     def __init__(self, buckets: Sequence[GradBucket], stage: int, group: dist.ProcessGroup | None,
                  overlap_communication: bool, pool: BufferPool,
-                 before_first_reduction: Callable[[], None] = lambda: None) -> None:
+                 before_first_reduction: Callable[[], None] = lambda: None,
+                 replica_group: dist.ProcessGroup | None = None) -> None:
         self.buckets = [b for b in buckets if b.communicates]
         self.stage = stage
-        self.group = group
+        self.group = group  # the shard group
+        self.replica_group = replica_group  # hybrid only: see [Note: hybrid reduction]
         self.async_op = overlap_communication
         self.pool = pool
         self.before_first_reduction = before_first_reduction  # finishes pending parameter gathers
@@ -528,8 +560,11 @@ class GradReducer:
         while self._next_launch - self._next_finish >= self.pool.slots:
             self._finish_next()
         self.buckets[self._next_launch].launch_reduce(self.pool, self._next_launch, self.reduce_scatter,
-                                                      self.group, self.async_op)
+                                                      self.group, self.async_op, self.replica_group)
         self._next_launch += 1
+        if self.replica_group is not None and self._next_launch - 2 >= self._next_finish:
+            # The previous bucket's first hop ran while this one was packed: start its second.
+            self.buckets[self._next_launch - 2].advance_reduce()
 
     def _finish_next(self) -> None:
         self.buckets[self._next_finish].finish_reduce(self.pool)

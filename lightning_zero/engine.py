@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import BufferPool, GradBucket, GradReducer, ParamGatherer, ShardedParam
 from lightning_zero.optimizer import ZeroOptimizer
-from lightning_zero.sharding import assign_buckets
+from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 _MB = 1024 * 1024
 
@@ -58,9 +58,18 @@ class ZeroConfig:
     """The dtype gradients are reduced in (e.g. ``torch.float32`` under bf16 parameters, as
     FSDP's ``MixedPrecisionPolicy.reduce_dtype``); a name such as ``"float32"`` is accepted (YAML).
     None: the parameters' dtype."""
+    shard_group_size: int | None = None
+    """Shard within consecutive groups of this many ranks and replicate across the groups
+    ([Note: hybrid layout] in sharding.py): gradients are reduce-scattered within the shard group,
+    then the shard alone is all-reduced across the replica group; parameters are all-gathered
+    within the shard group. Must divide the world size. With ``num_nodes``, the number of devices
+    per node is the natural choice (shard collectives stay on the node's fast links). None: the
+    whole world (the flat engine)."""
 
     def __post_init__(self) -> None:
         validate_stage(self.stage)
+        if self.shard_group_size is not None:
+            check_shard_group_size(self.shard_group_size)
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None to scale with the world size), got"
                              f" {self.bucket_size_mb}")
@@ -116,12 +125,18 @@ class ZeroEngine:
         if not dist.is_initialized():
             raise RuntimeError("ZeroEngine needs torch.distributed to be initialized (init_process_group).")
         self.config = config
-        self.group = group
+        self.group = group  # data parallel: every rank (the broadcast, the found-inf flag)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # Validated before the first collective, the same way on every rank.
+        self.layout = HybridLayout(self.world_size, config.shard_group_size or self.world_size)
+        self.shard_size = self.layout.shard_group_size
+        self.shard_rank = self.layout.shard_rank(self.rank)
         _reject_sparse_modules(module)
         named = _optimized_params(module, optimizers)
         _broadcast_module_states(module, group)
+        # The shards are disjoint within ``shard_group``; ``replica_group`` holds this rank's copies.
+        self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)
 
         self.device = _module_device(module, group)
         # Launch order: reverse registration order, the usual order gradients arrive in.
@@ -129,27 +144,32 @@ class ZeroEngine:
         frozen = [(fqn, p) for fqn, p in named if not p.requires_grad]
         self.buckets: list[GradBucket] = []
         for members in _group_by_dtype_and_device(trainable):
-            capacity = config.bucket_numel(self.world_size, members[0][1].element_size())
-            for indices in assign_buckets([p.numel() for _, p in members], self.world_size, capacity):
+            capacity = config.bucket_numel(self.shard_size, members[0][1].element_size())
+            for indices in assign_buckets([p.numel() for _, p in members], self.shard_size, capacity):
                 self.buckets.append(GradBucket(len(self.buckets), [members[i] for i in indices],
-                                               self.world_size, self.rank, reduce_dtype=config.reduce_dtype))
+                                               self.shard_size, self.shard_rank, reduce_dtype=config.reduce_dtype,
+                                               average_over=self.world_size))
         for members in _group_by_dtype_and_device(frozen):
-            self.buckets.append(GradBucket(len(self.buckets), members, self.world_size, self.rank,
+            self.buckets.append(GradBucket(len(self.buckets), members, self.shard_size, self.shard_rank,
                                            communicates=False))
+        for bucket in self.buckets:
+            bucket.replicas = self.layout.num_replicas
+            bucket.replica_rank = self.layout.replica_rank(self.rank)
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
         self.pool = BufferPool()
-        self.gather_group = _gather_group(group, config, self.world_size)
+        self.gather_group = _gather_group(self.shard_group, config, self.shard_size, group, self.layout)
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
-                                      background=config.overlap_param_gather and self.world_size > 1)
-        self.reducer = GradReducer(self.buckets, config.stage, group, config.overlap_communication, self.pool,
-                                   before_first_reduction=self.finish_param_gather)
+                                      background=config.overlap_param_gather and self.shard_size > 1)
+        self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
+                                   self.pool, before_first_reduction=self.finish_param_gather,
+                                   replica_group=self.replica_group)
         self.optimizers = [
             ZeroOptimizer(
                 opt,
                 [self.sharded_params[p] for g in opt.param_groups for p in g["params"]],
-                group,
+                self.shard_group,  # the global norm: replicas hold equal shards, each counts once
                 self.reducer,
                 self.gatherer,
                 self.device,
@@ -162,7 +182,8 @@ class ZeroEngine:
 
     @property
     def optimizer_shard_numel(self) -> int:
-        """Real parameter elements whose master copy and optimizer state this rank holds."""
+        """Real parameter elements whose master copy and optimizer state this rank holds
+        (about 1/``shard_group_size`` of the model)."""
         return sum(opt.shard_numel for opt in self.optimizers)
 
     @contextlib.contextmanager
@@ -272,7 +293,32 @@ def _module_device(module: nn.Module, group: dist.ProcessGroup | None) -> torch.
     return comm.group_device(group)
 
 
-def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_size: int) -> dist.ProcessGroup | None:
+def _hybrid_groups(group: dist.ProcessGroup | None,
+                   layout: HybridLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replica group) of this rank; ``(group, None)`` for the flat engine.
+
+    ``new_group`` is collective over the default group: every rank creates every shard group,
+    then every replica group, in the same order ([Note: hybrid layout] in sharding.py)."""
+    if layout.is_flat:
+        return group, None
+    return _own_group(group, layout.shard_groups()), _own_group(group, layout.replica_groups())
+
+
+def _own_group(group: dist.ProcessGroup | None, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+    """Create one process group per list of ``group`` ranks (every rank creates all); return this rank's."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank(group)
+    own = None
+    for members in rank_lists:
+        created = dist.new_group(ranks=[ranks[r] for r in members], backend=dist.get_backend(group))
+        if me in members:
+            own = created
+    return own
+
+
+def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_size: int,
+                  dp_group: dist.ProcessGroup | None = None,
+                  layout: HybridLayout | None = None) -> dist.ProcessGroup | None:
     """The process group the parameter all-gathers run on ([Note: gather overlap] in buckets.py).
 
     With ``overlap_param_gather`` the gathers are issued whenever a forward gets to them, which
@@ -284,6 +330,8 @@ def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_siz
     """
     if not config.overlap_param_gather or world_size == 1:
         return group
+    if layout is not None and not layout.is_flat:  # a copy of every shard group, made on every rank
+        return _own_group(dp_group, layout.shard_groups())
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
 

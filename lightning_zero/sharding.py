@@ -93,3 +93,66 @@ def assign_buckets(numels: Sequence[int], world_size: int, capacity_numel: int) 
     if current:
         buckets.append(current)
     return buckets
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_shard_group_size(shard_group_size: object, world_size: int | None = None) -> None:
+    """Reject a ``shard_group_size`` below 1 (or not an int), and one that does not divide ``world_size``.
+
+    Pure, so every rank raises the same error before any collective ([Note: hybrid layout])."""
+    choices = f" Valid choices at world size {world_size}: {divisors(world_size)} (or None: the whole world)." \
+        if world_size is not None else ""
+    if not isinstance(shard_group_size, int) or isinstance(shard_group_size, bool) or shard_group_size < 1:
+        raise ValueError(f"shard_group_size must be an int >= 1 or None (shard over the whole world), got"
+                         f" {shard_group_size!r}.{choices}")
+    if world_size is not None and world_size % shard_group_size:
+        raise ValueError(f"shard_group_size={shard_group_size} does not divide the world size {world_size}: every"
+                         f" shard group must have the same number of ranks.{choices}")
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Which ranks shard together and which hold the same shard.
+
+    [Note: hybrid layout] With ``shard_group_size`` N, rank ``r`` (of the data-parallel group)
+    is rank ``r % N`` of shard group ``r // N`` (consecutive ranks: one node when N is the
+    number of GPUs per node) and rank ``r // N`` of replica group ``r % N`` (the ranks, one per
+    shard group, that hold the same shard). ``N == world_size`` is the flat engine: one shard
+    group, replica groups of one rank.
+    """
+
+    world_size: int
+    shard_group_size: int
+
+    def __post_init__(self) -> None:
+        check_shard_group_size(self.shard_group_size, self.world_size)
+
+    @property
+    def num_replicas(self) -> int:
+        """Shard groups, i.e. copies of every shard (the size of a replica group)."""
+        return self.world_size // self.shard_group_size
+
+    @property
+    def is_flat(self) -> bool:
+        return self.shard_group_size == self.world_size
+
+    def shard_rank(self, rank: int) -> int:
+        """``rank``'s position in its shard group: which row of every parameter it owns."""
+        return rank % self.shard_group_size
+
+    def replica_rank(self, rank: int) -> int:
+        """``rank``'s position in its replica group: the index of its shard group."""
+        return rank // self.shard_group_size
+
+    def shard_groups(self) -> list[list[int]]:
+        """Every shard group's ranks (consecutive), in the order all ranks create them."""
+        n = self.shard_group_size
+        return [list(range(k * n, (k + 1) * n)) for k in range(self.num_replicas)]
+
+    def replica_groups(self) -> list[list[int]]:
+        """Every replica group's ranks (strided by N), in the order all ranks create them."""
+        n = self.shard_group_size
+        return [list(range(j, self.world_size, n)) for j in range(n)]

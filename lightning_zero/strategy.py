@@ -51,6 +51,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         overlap_communication: reduce buckets asynchronously while backward runs.
         overlap_param_gather: leave the parameter all-gathers running into the next forward.
         reduce_dtype: the dtype gradients are reduced in (a dtype or its name); None: the parameters'.
+        shard_group_size: hybrid sharding: shard optimizer state (and stage 2 gradients) within
+            consecutive groups of this many ranks and replicate across the groups; must divide the
+            world size. With ``num_nodes``, the devices per node is the natural choice (one node
+            per shard group: the shard collectives stay on the node's links, only 1/N of the
+            gradient bytes cross nodes). None: shard over the whole world.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every training
             step, as DDP does by default; checkpoints always hold rank 0's buffers.
         nonfinite_loss: ``"raise"`` checks every training step's loss on every rank (one tiny
@@ -73,6 +78,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         overlap_communication: bool = True,
         overlap_param_gather: bool = True,
         reduce_dtype: torch.dtype | str | None = None,
+        shard_group_size: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -87,7 +93,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
         # Validated before anything else so a bad stage fails at construction, on every rank.
-        self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype)
+        self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
+                                      shard_group_size)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

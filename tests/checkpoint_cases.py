@@ -33,7 +33,8 @@ SAVED_AT_STEP = 2
 TOTAL_STEPS = 4
 
 
-def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: float = 0.0) -> tuple[nn.Module, ZeroEngine]:
+def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: float = 0.0,
+          shard_group_size: int | None = None) -> tuple[nn.Module, ZeroEngine]:
     """A ZeRO-2 engine over ``model`` (the engine cases' Net by default) with AdamW in two groups.
 
     ``perturb`` shifts every weight, so a load has to overwrite all of them to pass.
@@ -43,7 +44,8 @@ def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: f
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(perturb)
-    engine = ZeroEngine(model, [make_optimizer("adamw", model)], ZeroConfig(stage=2, bucket_size_mb=0.0005))
+    engine = ZeroEngine(model, [make_optimizer("adamw", model)],
+                        ZeroConfig(stage=2, bucket_size_mb=0.0005, shard_group_size=shard_group_size))
     return model, engine
 
 

@@ -61,8 +61,12 @@ class Case:
     gather_piece_numel: int | None = None
     """Gather gloo buckets in pieces of this many output elements (see all_gather_in_pieces)."""
     """Take the reduce-scatter path of NCCL (gloo runs it too, only slower than its all-reduce)."""
+    shard_group_size: int | None = None
+    """Hybrid sharding: shard within groups of this many ranks (None: the whole world)."""
     skip_branch_at: tuple[tuple[int, int], ...] = ()
     """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
+    branch_slices: tuple[int, ...] | None = None
+    """If set, exactly these slices (ranks) take ``Net.branch`` in every batch not in ``skip_branch_at``."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -93,7 +97,13 @@ def global_batch(step: int, micro: int, world_size: int,
 
 
 def case_batch(case: Case, step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return global_batch(step, micro, world_size, skip_branch=(step, micro) in case.skip_branch_at)
+    skip = (step, micro) in case.skip_branch_at
+    x, y = global_batch(step, micro, world_size, skip_branch=skip)
+    if case.branch_slices is not None and not skip:
+        x[0::4, 0] = -1.0
+        for index in case.branch_slices:
+            x[4 * index, 0] = 1.0
+    return x, y
 
 
 def initial_model() -> Net:
@@ -112,7 +122,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     with native if case.native_reduce_scatter else contextlib.nullcontext(), pieces:
         engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
                             ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
-                                       case.reduce_dtype))
+                                       case.reduce_dtype, case.shard_group_size))
     assert engine.reducer.reduce_scatter == case.native_reduce_scatter
     assert engine.gatherer.piece_numel == (case.gather_piece_numel or comm.GLOO_GATHER_PIECE_NUMEL)
     opt = engine.optimizers[0]
@@ -137,7 +147,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     # Through the module first: that read finishes the last step's overlapped gathers.
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     masters_match = all(
-        torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.start(rank):sp.layout.end(rank)])
+        torch.equal(sp.master.detach(), sp.param.detach().reshape(-1)[sp.layout.local_slice(sp.rank)])
         for sp in engine.sharded_params.values()
     )
     fqn_of_master = {sp.master: sp.fqn for sp in engine.sharded_params.values()}

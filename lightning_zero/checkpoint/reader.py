@@ -46,7 +46,8 @@ def read_zero_tree(checkpoint_id: str, storage_options: dict[str, Any] | None = 
 
 
 def _read_local(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
-    world_size = int(marker["world_size"])
+    # Hybrid: the first shard group's files hold every shard once ([Note: hybrid layout]).
+    world_size = int(marker.get("shard_group_size", marker["world_size"]))
     files = [saver.read_rank_file(loc, marker, rank) for rank in range(world_size)]
     pieces: dict[str, list[FlatShard]] = {}
     for content in files:

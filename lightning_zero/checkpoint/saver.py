@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import pickle
 import threading
@@ -108,6 +110,51 @@ def training_timeout() -> timedelta:
     from lightning_zero._collectives import process_group_timeout
 
     return process_group_timeout()
+
+
+@dataclass(frozen=True)
+class _Team:
+    """The ranks one save or load runs over, and its coordinator.
+
+    The default is every rank, over the coordination group, coordinated by rank 0. With the
+    functional API's ``process_group`` (SageMaker's argument: a replica group saving as a unit),
+    only that group's ranks take part; its ``coordinator_rank`` (a global rank; default: the
+    group's lowest) names the version directory and writes the commit marker and ``objects.pt``."""
+
+    group: Any  # a gloo group (background coordination and DCP run on it), None with one process
+    rank: int  # this rank's position in the team
+    world_size: int
+    coordinator: int  # the coordinator's position in the team
+    coordinator_global: int  # its global rank
+    default: bool  # every rank, coordinated by rank 0 (what the Trainer and plugin use)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+
+def _team(process_group: Any = None, coordinator_rank: int | None = None) -> _Team:
+    """(training thread) Validate the functional API's group arguments; the same on every rank."""
+    rank, world_size = _world()
+    if process_group is None:
+        coordinator = 0 if coordinator_rank is None else coordinator_rank
+        if not 0 <= coordinator < world_size:
+            raise ValueError(f"coordinator_rank={coordinator_rank} is not a rank of the world (size {world_size}).")
+        return _Team(coordination_group(), rank, world_size, coordinator, coordinator, coordinator == 0)
+    if "gloo" not in dist.get_backend(process_group):
+        raise ValueError(
+            f"process_group must be a gloo group (its backend is {dist.get_backend(process_group)!r}): saves"
+            " coordinate on a background thread with CPU collectives. Create it with"
+            " torch.distributed.new_group(ranks, backend='gloo')."
+        )
+    ranks = dist.get_process_group_ranks(process_group)
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in process_group (ranks {ranks}): only its ranks may call this.")
+    coordinator_global = ranks[0] if coordinator_rank is None else coordinator_rank
+    if coordinator_global not in ranks:
+        raise ValueError(f"coordinator_rank={coordinator_rank} is not in process_group (ranks {ranks}).")
+    return _Team(process_group, ranks.index(rank), len(ranks), ranks.index(coordinator_global), coordinator_global,
+                 len(ranks) == world_size and coordinator_global == 0)
 
 
 def _all_gather_objects(value: Any, group: Any) -> list[Any]:
@@ -294,16 +341,25 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
+               storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
+               process_group: Any = None, coordinator_rank: int | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
 
     ``marker_fields`` (rank 0's are used): small plain values copied into the commit marker, where
-    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py)."""
+    readers of ordinary Lightning files look for them (see [Note: marker format] in storage.py).
+
+    ``process_group`` (a gloo group; default: every rank) and ``coordinator_rank`` (a global rank in
+    it; default: its lowest) as in SageMaker's API: only the group's ranks save, as a unit (e.g. one
+    replica group), and the coordinator commits. ``local`` and ``sharded`` only: ``full`` gathers to
+    rank 0 of the whole world."""
     called = time.perf_counter()
     validate_mode(mode)
-    group = coordination_group()
+    team = _team(process_group, coordinator_rank)
+    if mode == "full" and not team.default:
+        raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
+                         " or use mode='sharded' for a group of ranks.")
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
@@ -311,21 +367,29 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, group, staged, fields, ready, stats, called),
+    _SAVER.submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, team, staged, fields, ready, stats, called),
                   stats)
     stats.blocked_s = time.perf_counter() - called
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
-         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None) -> None:
+         storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
+         process_group: Any = None, coordinator_rank: int | None = None) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
-    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields)
+    async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields,
+               process_group=process_group, coordinator_rank=coordinator_rank)
     maybe_finalize_async_calls(blocking=True)
 
 
-def maybe_finalize_async_calls(blocking: bool = True) -> bool:
+def maybe_finalize_async_calls(blocking: bool = True, process_group: Any = None,
+                               coordinator_rank: int | None = None) -> bool:
     """Finish the save in flight (``blocking``) or check on it; True when none is left.
-    Raises :class:`CheckpointSaveError` if it failed."""
+    Raises :class:`CheckpointSaveError` if it failed.
+
+    ``process_group``/``coordinator_rank`` are accepted as in SageMaker's API and validated; a rank's
+    saves run one at a time in one worker, so this finishes the rank's save whichever group made it."""
+    if process_group is not None or coordinator_rank is not None:
+        _team(process_group, coordinator_rank)
     return _SAVER.finalize(blocking)
 
 
@@ -373,7 +437,7 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 # ---- the background job -------------------------------------------------------------------
 
 
-def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, staged: threading.Event,
+def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, staged: threading.Event,
               marker_fields: dict[str, Any], ready: Any = None, stats: SaveStats | None = None,
               called: float | None = None) -> None:
     """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
@@ -382,7 +446,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     collective the failing rank skipped. Exchanges: (1) before any data is written, (2) inside
     DCP / the ``full`` gathers, which fail on every rank together, (3) after writing, (4) the commit.
     """
-    rank, world_size = _world()
+    group, rank, world_size, coordinator = team.group, team.rank, team.world_size, team.coordinator
     error: str | None = None
     started = time.perf_counter()
     try:
@@ -398,19 +462,20 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     if error is None:
         error = _preflight(loc, mode, rank)
     # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go on.
-    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == 0 else None
+    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == coordinator else None
     gathered = _all_gather_objects((proposal, error), group)
-    version_dir, save_id = gathered[0][0]
+    version_dir, save_id = gathered[coordinator][0]
     errors = [e for _, e in gathered if e]
     if errors:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
                                   " checkpoint is intact. " + "; ".join(errors))
     write_started = time.perf_counter()
+    planned_bytes: int | None = None  # what DCP's plan gave this rank to write, when replicas were spread
     try:
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
         elif mode == "sharded":
-            _write_sharded(state, loc, version_dir, group, save_id)
+            planned_bytes = _write_sharded(state, loc, version_dir, team, save_id)
         else:
             _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
@@ -418,7 +483,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
     written = time.perf_counter()
     errors = [e for e in _all_gather_objects(error, group) if e]  # (3)
     if errors:
-        if rank == 0 and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
+        if rank == coordinator and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
             # (An unreachable store keeps the partial version: nothing points at it, and the next
             # successful save of this name deletes it with the other stale versions.)
             _discard(loc, version_dir)
@@ -426,13 +491,15 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
         )
     commit_error: str | None = None
-    if rank == 0 and mode != "full":
+    if rank == coordinator and mode != "full":
         try:
             # The data directory relative to the marker's folder: a copy of the marker beside it (a
             # `save_last="link"` on S3) names the same data.
             data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
-            storage.write_marker(loc, {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id},
-                                 marker_fields)
+            fields = {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id}
+            if shard_group_size_of(state, world_size) != world_size:
+                fields["shard_group_size"] = shard_group_size_of(state, world_size)
+            storage.write_marker(loc, fields, marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
             _discard(loc, version_dir)
@@ -442,7 +509,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
             except Exception as exc:  # committed already; leftovers only cost space
                 log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
     # (4) Every rank learns whether the commit happened, so every rank raises if it did not.
-    commit_error = _all_gather_objects(commit_error, group)[0] if mode != "full" else commit_error
+    commit_error = _all_gather_objects(commit_error, group)[coordinator] if mode != "full" else commit_error
     if commit_error:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
     if stats is not None:
@@ -451,7 +518,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, group: Any, stag
         stats.write_s = written - write_started
         stats.commit_s = committed - written
         stats.committed_after_s = committed - (called if called is not None else started)
-        stats.bytes_written = _bytes_written(state, mode, rank)
+        stats.bytes_written = planned_bytes if planned_bytes is not None else _bytes_written(state, mode, rank)
 
 
 def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
@@ -562,7 +629,8 @@ def _save_keeping_write_errors(obj: Any, f: Any) -> None:
 def _encode_shards(state: Any) -> Any:
     """FlatShard -> a plain dict that ``torch.load(weights_only=True)`` accepts."""
     return map_leaves(state, lambda leaf: {"flat_shard": leaf.local, "shape": list(leaf.shape),
-                                           "rank": leaf.rank, "world_size": leaf.world_size}
+                                           "rank": leaf.rank, "world_size": leaf.world_size,
+                                           "replicas": leaf.replicas, "replica_rank": leaf.replica_rank}
                       if isinstance(leaf, FlatShard) else leaf)
 
 
@@ -576,7 +644,7 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
     _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save_id: str) -> None:
+def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str) -> int | None:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata)."""
@@ -594,14 +662,26 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, group: Any, save
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=group)
+        planner = _spread_planner() if _has_replicas(state) else DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
+        # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
+        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
     except CheckpointException as exc:
         raise _dcp_failure(exc) from exc
-    if _world()[0] == 0:
+    if team.is_coordinator:
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
-        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=_world()[1], shapes=shapes)
+        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
+    return getattr(planner, "bytes_planned", None)
+
+
+def _has_replicas(state: Any) -> bool:
+    return any(isinstance(leaf, FlatShard) and leaf.replicas > 1 for _, leaf in walk(state))
+
+
+def shard_group_size_of(state: Any, world_size: int) -> int:
+    """The shard group size the flat shards of ``state`` were split over (the world without any)."""
+    return next((leaf.world_size for _, leaf in walk(state) if isinstance(leaf, FlatShard)), world_size)
 
 
 def _tensor_leaves(tree: Any) -> Iterator[tuple[str, Tensor | FlatShard]]:
@@ -642,12 +722,16 @@ def _unreachable(error: str) -> bool:
 
 def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
     """Tensors (FlatShard as 1-D DTensors) for DCP, keyed by path; the rest for ``objects.pt``."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tensors: dict[str, Any] = {}
     for path, leaf in walk(state):
         key = "/".join(path)
-        if isinstance(leaf, FlatShard):
+        if isinstance(leaf, FlatShard) and leaf.replicas > 1:
+            tensors[key] = DTensor.from_local(leaf.local, _hybrid_mesh(leaf.replicas, leaf.world_size),
+                                              [Replicate(), Shard(0)], run_check=False,
+                                              shape=torch.Size([leaf.numel]), stride=(1,))
+        elif isinstance(leaf, FlatShard):
             tensors[key] = DTensor.from_local(leaf.local, _mesh(), [Shard(0)], run_check=False,
                                               shape=torch.Size([leaf.numel]), stride=(1,))
         elif isinstance(leaf, Tensor):
@@ -676,6 +760,88 @@ def _mesh() -> Any:
         # there (CPU tensors), and a CPU mesh over an NCCL default group would be a CPU-on-NCCL mesh.
         _device_mesh = DeviceMesh.from_group(coordination_group() or dist.group.WORLD, "cpu")
     return _device_mesh
+
+
+_hybrid_meshes: dict[tuple[int, int], Any] = {}
+
+
+def _hybrid_mesh(replicas: int, shard_group_size: int) -> Any:
+    """The ``(replicas, shard_group_size)`` mesh of [Note: hybrid layout] (row k: shard group k).
+
+    Only its coordinates are used (DTensor.from_local without checks, DCP's chunk offsets); DCP's own
+    collectives run on the group passed to it, so the mesh creates no process groups: creating them
+    here, on the background thread, would race the training thread's collectives."""
+    key = (replicas, shard_group_size)
+    if key not in _hybrid_meshes:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(replicas * shard_group_size).view(replicas, shard_group_size)
+        _hybrid_meshes[key] = DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"), _init_backend=False)
+    return _hybrid_meshes[key]
+
+
+def _spread_planner() -> Any:
+    """DCP's default planner with [Note: spread replicated writes]."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class SpreadReplicasSavePlanner(DefaultSavePlanner):
+        """[Note: spread replicated writes] DCP keeps one copy of every chunk several ranks hold. Its
+        ``dedup_save_to_lowest_rank`` gives every copy of a hybrid shard to shard group 0, which would
+        then write the whole state while the other groups write nothing. Here a plain tensor
+        (buffers, parameters no optimizer holds) still goes to the lowest rank, so a checkpoint holds
+        rank 0's buffers as DDP does (DESIGN.md, Lifecycle); a chunk replicated across shard groups
+        goes to whichever of its holders has the fewest bytes planned so far, largest chunks first
+        (longest-processing-time first), so the writes spread over the replica groups, each chunk is
+        written once and the total is one copy of the state."""
+
+        def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
+            return _spread_dedup(all_plans, {key for key, value in self.state_dict.items() if _is_dtensor(value)})
+
+        def finish_plan(self, new_plan: Any) -> Any:
+            self.bytes_planned = sum(_chunk_bytes(item) for item in new_plan.items)
+            return super().finish_plan(new_plan)
+
+    return SpreadReplicasSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _chunk_bytes(item: Any) -> int:
+    """Bytes of the chunk a write item writes. (``WriteItem.tensor_storage_size`` counts the whole
+    tensor's size, not the chunk's, so DCP's own balancing weighs every shard of a tensor alike.)"""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:
+    """One holder per write item: see [Note: spread replicated writes]."""
+
+    holders: dict[Any, list[int]] = collections.defaultdict(list)
+    items: dict[Any, Any] = {}
+    for plan_index, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders[item.index].append(plan_index)
+            items[item.index] = item
+    planned = [0] * len(all_plans)
+    keep: dict[Any, int] = {}
+    spread = []
+    for index, ranks in holders.items():
+        if len(ranks) == 1 or index.fqn not in spread_fqns:
+            keep[index] = min(ranks)
+            planned[keep[index]] += _chunk_bytes(items[index])
+        else:
+            spread.append(index)
+    spread.sort(key=lambda index: -_chunk_bytes(items[index]))
+    for index in spread:
+        keep[index] = min(holders[index], key=lambda r: (planned[r], r))
+        planned[keep[index]] += _chunk_bytes(items[index])
+    return [dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == plan_index])
+            for plan_index, plan in enumerate(all_plans)]
 
 
 def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) -> None:
@@ -743,9 +909,12 @@ def _gather_buckets(shards: list[tuple[str, FlatShard]]) -> Iterator[list[tuple[
 
 def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
                             failure: list[BaseException]) -> dict[str, Tensor | None]:
-    world_size = bucket[0][1].world_size
+    world_size = bucket[0][1].world_size  # the shard group's
     if world_size == 1:
         return {key: shard.local.reshape(shard.shape).clone() for key, shard in bucket}
+    # Hybrid: every rank of the group takes part; rank 0 keeps the rows of its own shard group, the
+    # first ``world_size`` ranks ([Note: hybrid layout]). (R copies travel to rank 0; ``full`` is for export.)
+    group_size = dist.get_world_size(group)
     rank = dist.get_rank()
     # The group's own device: the strategy gathers a plain CheckpointIO's file on the training group,
     # which on GPUs is NCCL and takes CUDA tensors only; the coordination group is gloo (CPU).
@@ -758,7 +927,7 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
         for (_, shard), chunk in zip(bucket, chunks):
             padded[offset: offset + shard.local.numel()] = shard.local
             offset += chunk
-        gather_list = [torch.empty_like(padded) for _ in range(world_size)] if rank == 0 else None
+        gather_list = [torch.empty_like(padded) for _ in range(group_size)] if rank == 0 else None
     except Exception as exc:
         padded = gather_list = None
         largest = max((shard for _, shard in bucket), key=lambda s: s.numel)
@@ -778,7 +947,7 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
     if rank != 0:
         return {key: None for key, _ in bucket}
     assert gather_list is not None
-    rows = torch.stack(gather_list).cpu()  # [world_size, sum(chunks)]
+    rows = torch.stack(gather_list[:world_size]).cpu()  # [world_size, sum(chunks)]
     out: dict[str, Tensor | None] = {}
     offset = 0
     for (key, shard), chunk in zip(bucket, chunks):
@@ -791,7 +960,8 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str, *,
-         storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+         storage_options: dict[str, Any] | None = None, process_group: Any = None,
+         coordinator_rank: int | None = None) -> dict[str, Any]:
     """Fill the tensors and :class:`FlatShard` leaves of ``state_dict`` in place from a checkpoint
     of any mode (``sharded`` and ``full`` at any world size, ``local`` at the one it was saved
     with). Returns the checkpoint's non-tensor content (and, for ``full``, everything).
@@ -800,21 +970,26 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     read error, another model) is read and checked first, then the ranks agree (one exchange over the
     coordination group) before any of them copies a tensor or enters DCP's collectives: all fail
     together, each naming the failing rank, instead of the others waiting in DCP.
+
+    ``process_group`` (a gloo group) and ``coordinator_rank``: only that group's ranks load, as a
+    unit, and their exchanges run over it (see :func:`async_save`); a ``local`` checkpoint is then
+    read by the rank's position in the group.
     """
     maybe_finalize_async_calls(blocking=True)
+    team = _team(process_group, coordinator_rank)
     loc = storage.resolve(checkpoint_id, storage_options)
     error: BaseException | None = None
     finish: Callable[[], dict[str, Any]] | None = None
     try:
-        finish = _prepare_load(state_dict, loc)
+        finish = _prepare_load(state_dict, loc, team)
     except Exception as exc:
         error = exc
-    agree(error, loc)
+    agree(error, loc, team)
     assert finish is not None
     return finish()
 
 
-def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dict[str, Any]]:
+def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team) -> Callable[[], dict[str, Any]]:
     """Read and check without touching ``state_dict``; returns what completes the load."""
     marker = storage.read_marker(loc)
     if marker is None:
@@ -823,22 +998,23 @@ def _prepare_load(state_dict: dict[str, Any], loc: Location) -> Callable[[], dic
         return lambda: _copy_into(state_dict, content, loc.url)
     mode = marker.get("mode")
     if mode == "local":
-        content = _read_local(loc, marker)
-        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), *_world()))
+        content = _read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, team.world_size),
+                              team=team)
+        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), team.rank, team.world_size))
         return lambda: _copy_into(state_dict, content, loc.url)
     if mode == "sharded":
-        return _prepare_sharded(state_dict, loc, marker)
+        return _prepare_sharded(state_dict, loc, marker, team)
     raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
 
 
-def agree(error: BaseException | None, loc: Location) -> None:
-    """(collective over the coordination group when there is more than one rank) Raise on every rank
-    if any rank failed: this rank's own error, or one that names the failing ranks."""
+def agree(error: BaseException | None, loc: Location, team: _Team | None = None) -> None:
+    """(collective over the coordination group, or the team's, when there is more than one rank) Raise
+    on every rank if any rank failed: this rank's own error, or one that names the failing ranks."""
     rank, world_size = _world()
     reports: list[str | None] = [None]
-    if world_size > 1:
+    if world_size > 1 and (team is None or team.world_size > 1):
         report = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        reports = _all_gather_objects(report, coordination_group())
+        reports = _all_gather_objects(report, coordination_group() if team is None else team.group)
     if error is not None:
         raise error
     failed = [r for r in reports if r]
@@ -858,7 +1034,8 @@ def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None
     rank, world_size = _world()
     # This rank's own file when the world size matches (the load that follows then reuses it),
     # rank 0's otherwise (the load will refuse the world size with a clear message).
-    reader_rank = rank if world_size == marker["world_size"] else 0
+    hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
+    reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
     content = _read_local(loc, marker, reader_rank)
     _READ_AHEAD.clear()  # at most one file held
     _READ_AHEAD[_rank_file(_version_dir(loc, marker), reader_rank, marker["world_size"])] = content
@@ -942,16 +1119,47 @@ def _check_version_dir(loc: Location, marker: dict[str, Any]) -> str:
     return version_dir
 
 
-def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None) -> Any:
-    """This rank's file of a ``local`` checkpoint (refused at another world size), checked."""
-    own_rank, world_size = _world()
-    if marker["world_size"] != world_size and (rank is None or rank == own_rank):
+def _read_local(loc: Location, marker: dict[str, Any], rank: int | None = None,
+                shard_group_size: int | None = None, team: _Team | None = None) -> Any:
+    """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
+    replica groups of the same ``shard_group_size``: see :func:`_check_local_world`), checked."""
+    own_rank, world_size = (team.rank, team.world_size) if team is not None else _world()
+    if rank is None or rank == own_rank:
+        _check_local_world(loc, marker, world_size, shard_group_size)
+    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+
+
+def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, shard_group_size: int | None) -> None:
+    """A ``local`` checkpoint loads at the world size it was saved with, or, saved with hybrid sharding
+    (R replica groups of N ranks), with fewer replica groups of the same N, as SageMaker's rule is:
+    rank r's file holds the shards of rank r % N of a shard group, which is what rank r needs."""
+    saved_world = int(marker["world_size"])
+    saved_n = int(marker.get("shard_group_size", saved_world))
+    target_n = shard_group_size if shard_group_size is not None else saved_n
+    if saved_world == world_size and target_n == saved_n:
+        return
+    if saved_n < saved_world:
+        if world_size <= saved_world and world_size % saved_n == 0 and target_n == saved_n:
+            return
+        choices = [saved_n * k for k in range(1, saved_world // saved_n + 1)]
+        raise ValueError(
+            f"Checkpoint {loc.url!r} was saved in 'local' mode by {saved_world // saved_n} replica groups of"
+            f" shard_group_size {saved_n} (world size {saved_world}); it resumes only with shard_group_size"
+            f" {saved_n} and a world size in {choices} (the same or fewer replica groups), not world size"
+            f" {world_size} with shard_group_size {target_n}. Resume with shard_group_size={saved_n}, or save"
+            " with ZeroCheckpointIO(mode='sharded') to change the shard group size or grow the world."
+        )
+    if saved_world != world_size:
         raise ValueError(
             f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
             f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
             " save with ZeroCheckpointIO(mode='sharded') to change the world size."
         )
-    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+    raise ValueError(
+        f"Checkpoint {loc.url!r} was saved in 'local' mode sharded over the whole world ({saved_world} ranks); it"
+        f" cannot be loaded with shard_group_size {target_n}. Load it without shard_group_size, or save with"
+        " ZeroCheckpointIO(mode='sharded') to change the shard group size."
+    )
 
 
 def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
@@ -1024,7 +1232,8 @@ def _is_encoded_shard(leaf: Any) -> bool:
 def _walk_encoded(tree: Any) -> Any:
     """Treat encoded shards as leaves again (walk would descend into their dicts)."""
     if _is_encoded_shard(tree):
-        return FlatShard(tree["flat_shard"], tuple(tree["shape"]), tree["rank"], tree["world_size"])
+        return FlatShard(tree["flat_shard"], tuple(tree["shape"]), tree["rank"], tree["world_size"],
+                         tree.get("replicas", 1), tree.get("replica_rank", 0))
     if isinstance(tree, dict):
         return {k: _walk_encoded(v) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -1098,7 +1307,8 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
     return version_dir, objects, found, reader, metadata
 
 
-def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
+                     team: _Team | None = None) -> Callable[[], dict[str, Any]]:
     _, objects, found, reader, metadata = open_sharded(loc, marker)
     # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
@@ -1106,21 +1316,21 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
     check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
-    return lambda: _load_sharded(state_dict, targets, reader, loc, objects)
+    return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team)
 
 
 def _empty_like(leaf: Any) -> Any:
     if isinstance(leaf, FlatShard):
-        return FlatShard(torch.empty_like(leaf.local), leaf.shape, leaf.rank, leaf.world_size)
+        return dataclasses.replace(leaf, local=torch.empty_like(leaf.local))
     return torch.empty_like(leaf) if isinstance(leaf, Tensor) else leaf
 
 
 def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
-                  objects: dict[str, Any]) -> dict[str, Any]:
+                  objects: dict[str, Any], team: _Team | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, storage_reader=reader, process_group=coordination_group())
+        dcp.load(targets, storage_reader=reader, process_group=coordination_group() if team is None else team.group)
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         cause = _dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):

@@ -24,6 +24,7 @@ good).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ def _map_tensors(tree: Any, fn: Any) -> Any:
 
     def leaf(path: str, value: Any) -> Any:
         if isinstance(value, FlatShard):
-            return FlatShard(fn(path, value.local), value.shape, value.rank, value.world_size)
+            return dataclasses.replace(value, local=fn(path, value.local))
         return fn(path, value) if isinstance(value, Tensor) else value
 
     return map_with_path(tree, leaf)

@@ -23,7 +23,8 @@ from lightning_zero.optimizer import ZeroOptimizer
 
 
 def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
-    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size)
+    """``world_size``: the shard group's size; the replicas come from the parameter's bucket."""
+    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size, sp.bucket.replicas, sp.bucket.replica_rank)
 
 
 def _is_sharded_state(value: Any, sp: ShardedParam) -> bool:
@@ -51,7 +52,7 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
     (see the layout in :mod:`lightning_zero.checkpoint.trainer`). ``for_load``: the tree a load
     fills (buffers not copied, no ``meta``)."""
-    ws = engine.world_size
+    ws = engine.shard_size
     model: dict[str, Any] = {}
     for fqn, p in module.named_parameters():
         sp = engine.sharded_params.get(p)
@@ -116,7 +117,7 @@ def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
             entry = opt.state.get(sp.master)
             if entry:
                 state[index[sp.master]] = {
-                    k: _flat(sp, v, engine.world_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
+                    k: _flat(sp, v, engine.shard_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
                 }
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
                   for g in opt.param_groups]

@@ -65,7 +65,7 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
         tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: ckpt_state.module_meta(module)}
         if engine is not None:
-            masters = {sp.fqn: ckpt_state.flat_master(sp, engine.world_size) for sp in engine.sharded_params.values()
+            masters = {sp.fqn: ckpt_state.flat_master(sp, engine.shard_size) for sp in engine.sharded_params.values()
                        if sp.master.dtype != sp.param.dtype}
             if masters:
                 tree[MASTERS_KEY] = masters

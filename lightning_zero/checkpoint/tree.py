@@ -19,12 +19,19 @@ class FlatShard:
     ``local`` holds elements ``[layout.start(rank), layout.end(rank))`` of the flattened tensor:
     exactly the local part of a 1-D DTensor with ``Shard(0)`` placement, so ``sharded`` mode
     saves it as one, and any other world size can read it back.
+
+    Hybrid sharding ([Note: hybrid layout] in sharding.py): ``rank`` and ``world_size`` are the
+    position in and the size of the shard group, and ``replicas`` shard groups hold the same
+    split; this rank is in shard group ``replica_rank``. As a DTensor that is the 2-D mesh
+    ``(replicas, world_size)`` with placements ``[Replicate(), Shard(0)]``.
     """
 
     local: Tensor  # 1D
     shape: tuple[int, ...]  # the full tensor's shape
-    rank: int
-    world_size: int
+    rank: int  # in the shard group
+    world_size: int  # the shard group's size
+    replicas: int = 1
+    replica_rank: int = 0
 
     @property
     def numel(self) -> int:
