@@ -79,3 +79,19 @@ def test_last_save_stats_reports_the_newest_committed_save_of_the_functional_api
     assert second is not None and second.url.endswith("/b") and second.step == 7
     assert second.as_metrics()["checkpoint/bytes"] == 4 * 1024
     assert ZeroCheckpointIO().last_save_stats is second
+
+
+def test_prog_bar_shows_the_newest_saves_blocked_and_commit_times(tmp_path: Path) -> None:
+    from lightning_zero.checkpoint import CheckpointMetrics
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=4, use_distributed_sampler=False, logger=False,
+        strategy=ZeroLowLevelStrategy(stage=2), plugins=[ZeroCheckpointIO(mode="local")],
+        callbacks=[CheckpointMetrics(prog_bar=True),
+                   ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1)],
+        enable_progress_bar=True, enable_model_summary=False,
+    )
+    trainer.fit(NetModule(), loader(4, 1, 1))
+    assert sum(isinstance(c, CheckpointMetrics) for c in trainer.callbacks) == 1  # the strategy added none
+    shown = trainer.progress_bar_metrics
+    assert shown["ckpt_blocked_ms"] > 0 and shown["ckpt_commit_ms"] > 0

@@ -81,13 +81,15 @@ class CheckpointMetrics(Callback):
     (``checkpoint/blocked_ms``, ``checkpoint/write_ms``, ``checkpoint/bytes``, ... at the trainer's
     ``global_step``; ``checkpoint/step`` is the step the save was made at).
 
-    ``ZeroLowLevelStrategy`` adds one by itself; add your own instance to choose ``prefix``. No
+    ``ZeroLowLevelStrategy`` adds one by itself; add your own instance to choose ``prefix`` or to show
+    the newest save's time blocked and time to commit in the progress bar (``prog_bar=True``). No
     collective: each rank only drains its own records (so they do not pile up), and rank 0 logs."""
 
-    def __init__(self, prefix: str = METRIC_PREFIX) -> None:
+    def __init__(self, prefix: str = METRIC_PREFIX, prog_bar: bool = False) -> None:
         self.prefix = prefix
+        self.prog_bar = prog_bar
 
-    def _log_committed(self, trainer: Trainer) -> None:
+    def _log_committed(self, trainer: Trainer, pl_module: LightningModule, in_step: bool) -> None:
         from lightning_zero.checkpoint import saver
 
         committed = saver.take_committed_stats()
@@ -97,14 +99,20 @@ class CheckpointMetrics(Callback):
             metrics = stats.as_metrics(self.prefix)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        if self.prog_bar and in_step and committed:
+            newest = committed[-1]
+            # Rank 0 only (rank_zero_only): no reduction, and so no collective; the bar keeps the value.
+            for name, value in (("ckpt_blocked_ms", newest.blocked_total_s), ("ckpt_commit_ms", newest.committed_after_s)):
+                pl_module.log(name, value * 1e3, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                              rank_zero_only=True)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._log_committed(trainer)
+        self._log_committed(trainer, pl_module, in_step=True)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the strategy's teardown, which finalized the saves still in flight; before the loggers
-        # are finalized (Lightning's teardown hooks come next).
-        self._log_committed(trainer)
+        # are finalized (Lightning's teardown hooks come next). `self.log` is not allowed here.
+        self._log_committed(trainer, pl_module, in_step=False)
