@@ -27,10 +27,11 @@ pytestmark = pytest.mark.slow
 
 
 FROZEN_IN_TRAINING = pytest.mark.xfail(
-    strict=True, raises=(AssertionError, subprocess.TimeoutExpired),
-    reason="A peer frozen during training: the survivor raises the timeout error after 8 s, but then spends"
-           " 60-170 s more in teardown, each remaining collective (the in-flight save's exchanges, Lightning's"
-           " teardown) waiting out its own timeout; aborting the groups after the first loss is not built yet.",
+    strict=False, raises=(AssertionError, subprocess.TimeoutExpired),
+    reason="A peer frozen during training: the survivor raises the timeout error after 8 s, then its teardown"
+           " waits out the remaining collectives (the in-flight save's exchanges, Lightning's teardown): 30 s to"
+           " more than 170 s after the signal, depending on load. Aborting the groups after the first loss is"
+           " not built yet; not strict, since on a quiet machine it can pass.",
 )
 
 
