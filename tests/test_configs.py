@@ -114,3 +114,16 @@ def test_sharded_s3_config_writes_to_the_bucket_from_the_environment(tmp_path: P
     assert any(k.startswith("tiny_gpt/checkpoints/_zero_data/") for k in keys)
     assert marker(s3.read(s3.url(f"tiny_gpt/checkpoints/epoch=0-step={STEPS}.ckpt")))["mode"] == "sharded"
     assert "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_hybrid_config_shards_within_pairs_and_saves_one_copy(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    lightning_zero(every_step("hybrid.yaml", tmp_path, [STEPS]), root)
+    saved = marker(root / "checkpoints" / f"epoch=0-step={STEPS}.ckpt")
+    assert saved["mode"] == "sharded" and saved["world_size"] == 4 and saved["shard_group_size"] == 2
+    from lightning_zero.checkpoint import read_lightning_checkpoint
+
+    # Readable whole in one process, like any sharded checkpoint.
+    whole = read_lightning_checkpoint(str(root / "checkpoints" / f"epoch=0-step={STEPS}.ckpt"))
+    assert whole["global_step"] == STEPS and whole["optimizer_states"][0]["state"]
