@@ -6,10 +6,17 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _dist import FORKSERVER_PRELOAD, free_port
 from hypothesis import HealthCheck, settings
+
+# One intra-op thread in this process: a Trainer run in-process (devices=1) would otherwise start
+# GNU OpenMP's thread pool (MKL's vectorized sqrt in Adam), and a process later forked from here
+# (plain DDP with start_method="fork") then hangs in its first parallel kernel: libgomp is not
+# fork-safe. Workers set one thread each anyway (tests/_dist.py).
+torch.set_num_threads(1)
 
 # Before any fork server starts: run_distributed(..., start_method="forkserver") then forks ranks
 # from a process that has imported torch and lightning_zero once.
