@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from _dist import FORKSERVER_PRELOAD, free_port
-from hypothesis import HealthCheck, settings
+# One OpenMP/MKL thread in this process, set before torch loads its OpenMP runtime: a Trainer run
+# in-process (devices=1) would otherwise start GNU OpenMP's thread pool (MKL's vectorized sqrt in
+# Adam), and a process forked from here later (plain DDP with start_method="fork") then hangs in its
+# first parallel kernel: libgomp is not fork-safe. Workers use one thread each anyway (tests/_dist.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# One intra-op thread in this process: a Trainer run in-process (devices=1) would otherwise start
-# GNU OpenMP's thread pool (MKL's vectorized sqrt in Adam), and a process later forked from here
-# (plain DDP with start_method="fork") then hangs in its first parallel kernel: libgomp is not
-# fork-safe. Workers set one thread each anyway (tests/_dist.py).
-torch.set_num_threads(1)
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from _dist import FORKSERVER_PRELOAD, free_port  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Before any fork server starts: run_distributed(..., start_method="forkserver") then forks ranks
 # from a process that has imported torch and lightning_zero once.
