@@ -42,3 +42,14 @@ def single_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged() -> Iterator[None]:
+    """Every test leaves ``os.environ`` as it found it. A Trainer run in this process (devices=1)
+    exports MASTER_ADDR/MASTER_PORT; a later console-command test inherited them, and its rank 0 then
+    waited for a rendezvous on a port the torn-down group of this process still held."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
