@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_zero._lightning_fixes import LaunchWithFixes
 from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint import trainer as ckpt_trainer
 from lightning_zero.checkpoint.metrics import CheckpointMetrics
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
@@ -109,6 +110,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self.nonfinite_loss = nonfinite_loss
         self._engine: ZeroEngine | None = None
         self._engine_live = False  # between fit's setup and teardown (hooks installed, steps run)
+        self._module_meta: dict[str, Any] | None = None
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
 
@@ -155,6 +157,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
+            # Once, now that dtypes are final and no gather is in flight: per save it would wait
+            # for the step's overlapped gathers on the training thread (module_meta's docstring).
+            self._module_meta = ckpt_state.module_meta(self.model)
             self._engine_live = True
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
@@ -306,19 +311,23 @@ class ZeroLowLevelStrategy(DDPStrategy):
         assert module is not None
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
-            io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode), filepath,
+            io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
                                storage_options)
             saver.note_blocked(time.perf_counter() - called)  # building the tree included
             if not self._engine_live:
                 saver.maybe_finalize_async_calls(blocking=True)
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
-        tree = ckpt_trainer.build_tree(checkpoint, module, self._engine, "full")
+        tree = ckpt_trainer.build_tree(checkpoint, module, self._engine, "full", self._saved_meta())
         full = saver.gather_tree_to_rank0(tree, None)  # on the training group, this thread
         if self.is_global_zero:
             full.pop(TREE_TAG)
             full.pop(MARKER_FIELDS, None)
             io.save_checkpoint(full, filepath, storage_options=storage_options)
+
+    def _saved_meta(self) -> dict[str, Any] | None:
+        """The module metadata of this fit (None outside fit: computed at the save, nothing is in flight)."""
+        return self._module_meta if self._engine is not None else None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

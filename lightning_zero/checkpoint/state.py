@@ -48,10 +48,12 @@ def flat_master(sp: ShardedParam, world_size: int) -> FlatShard:
     return _flat(sp, sp.master, world_size)
 
 
-def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False) -> dict[str, Any]:
+def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False,
+                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
     (see the layout in :mod:`lightning_zero.checkpoint.trainer`). ``for_load``: the tree a load
-    fills (buffers not copied, no ``meta``)."""
+    fills (buffers not copied, no ``meta``). ``meta``: :func:`module_meta`, if already known (the
+    strategy computes it once at setup; see there)."""
     ws = engine.shard_size
     model: dict[str, Any] = {}
     for fqn, p in module.named_parameters():
@@ -70,12 +72,16 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:
-        tree["meta"] = module_meta(module)
+        tree["meta"] = meta if meta is not None else module_meta(module)
     return tree
 
 
 def module_meta(module: nn.Module) -> dict[str, Any]:
-    """What a reader without the module needs to rebuild ``state_dict`` and a Hugging Face folder."""
+    """What a reader without the module needs to rebuild ``state_dict`` and a Hugging Face folder.
+
+    It walks every parameter and calls ``state_dict()``, which waits for the parameter all-gathers
+    still in flight (see [Note: guarded parameter reads] in engine.py): computed during training it
+    would end the overlap of every step that saves, so ZeroLowLevelStrategy computes it once at setup."""
     names = {id(p): fqn for fqn, p in module.named_parameters()}
     aliases = {fqn: names[id(p)] for fqn, p in module.named_parameters(remove_duplicate=False)
                if names[id(p)] != fqn}

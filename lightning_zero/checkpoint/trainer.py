@@ -51,11 +51,14 @@ LIGHTNING_FIELDS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_
 # ---- save ---------------------------------------------------------------------------------
 
 
-def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None, mode: str) -> dict[str, Any]:
+def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None, mode: str,
+               meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tree ``ZeroCheckpointIO(mode)`` writes for Lightning's ``checkpoint`` dict.
 
     Without an engine (a save after ``validate``/``test``/``predict``, or before ``fit``) the
-    weights are the module's own, and no optimizer state is saved."""
+    weights are the module's own, and no optimizer state is saved. ``meta``: the module's
+    :func:`~lightning_zero.checkpoint.state.module_meta`, computed now when not given."""
+    meta = meta if meta is not None else ckpt_state.module_meta(module)
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     with_optimizer = engine is not None and "optimizer_states" in checkpoint  # absent for save_weights_only
     if engine is None:
@@ -63,7 +66,7 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
     if mode == "full":
         buffers = {name for name, _ in module.named_buffers()}
         state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
-        tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: ckpt_state.module_meta(module)}
+        tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: meta}
         if engine is not None:
             masters = {sp.fqn: ckpt_state.flat_master(sp, engine.shard_size) for sp in engine.sharded_params.values()
                        if sp.master.dtype != sp.param.dtype}
@@ -73,11 +76,11 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
             assert engine is not None
             tree["optimizer_states"] = ckpt_state.full_optimizer_states(engine)
     else:
-        tree = ckpt_state.zero_state_dict(engine, module) if engine is not None else _weights_tree(module)
+        tree = ckpt_state.zero_state_dict(engine, module, meta=meta) if engine is not None else _weights_tree(module)
         if not with_optimizer:
             tree.pop("optimizer", None)
         tree["trainer"] = trainer_state_blob(trainer_state)
-        tree.setdefault("meta", ckpt_state.module_meta(module))
+        tree["meta"] = meta
         tree[MARKER_FIELDS] = marker_fields(trainer_state)
     tree[TREE_TAG] = mode
     return tree
