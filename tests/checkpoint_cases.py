@@ -153,13 +153,19 @@ def save_and_gather(rank: int, world_size: int, root: str, modes: tuple[str, ...
 
 
 def load_and_gather(rank: int, world_size: int, paths: list[str], state_names: list[str],
-                    extra_steps: int = 2) -> dict[str, dict[str, Any]]:
-    """For each path: load at this world size into a fresh engine; the full state it then holds,
-    its model weights, and the weights after ``extra_steps`` more steps."""
-    out = {}
+                    extra_steps: int = 2, shard_group_size: int | None = None) -> dict[str, dict[str, Any]]:
+    """For each path: load at this world size (and ``shard_group_size``) into a fresh engine; the
+    full state it then holds, its model weights, and the weights after ``extra_steps`` more steps,
+    or, when the load refuses the layout, ``{"error": <its text>}``."""
+    out: dict[str, dict[str, Any]] = {}
     for path in paths:
-        model, engine = build(rank, world_size, perturb=1.0)
-        load_into(engine, model, path, state_names)
+        model, engine = build(rank, world_size, perturb=1.0, shard_group_size=shard_group_size)
+        try:
+            load_into(engine, model, path, state_names)
+        except ValueError as exc:
+            out[path] = {"error": str(exc)}
+            engine.close()
+            continue
         result = {"loaded": gather_full_state(engine), "params": params(model),
                   "shard_numel": engine.optimizer_shard_numel}
         train(model, engine, range(100, 100 + extra_steps), rank, world_size)

@@ -55,24 +55,9 @@ def save_hybrid(rank: int, world_size: int, root: str, shard_group_size: int | N
 def load_hybrid(rank: int, world_size: int, paths: list[str], state_names: list[str],
                 shard_group_size: int | None, extra_steps: int = 2) -> dict[str, Any]:
     """For each path: load into a fresh engine of this layout; what it holds (or the error's text)."""
-    from checkpoint_cases import build, gather_full_state, load_into, params, train
+    from checkpoint_cases import load_and_gather
 
-    out: dict[str, Any] = {}
-    for path in paths:
-        model, engine = build(rank, world_size, perturb=1.0, shard_group_size=shard_group_size)
-        try:
-            load_into(engine, model, path, state_names)
-        except ValueError as exc:
-            out[path] = {"error": str(exc)}
-            engine.close()
-            continue
-        result = {"loaded": gather_full_state(engine), "params": params(model),
-                  "shard_numel": engine.optimizer_shard_numel}
-        train(model, engine, range(100, 100 + extra_steps), rank, world_size)
-        result["after_steps"] = params(model)
-        engine.close()
-        out[path] = result
-    return out
+    return load_and_gather(rank, world_size, paths, state_names, extra_steps, shard_group_size)
 
 
 def save_and_load_by_group(rank: int, world_size: int, root: str) -> dict[str, Any]:
