@@ -325,6 +325,16 @@ class ZeroLowLevelStrategy(DDPStrategy):
             full.pop(MARKER_FIELDS, None)
             io.save_checkpoint(full, filepath, storage_options=storage_options)
 
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty for ``local``/``sharded`` saves during fit: they take the weights from the engine's
+        fp32 masters (:func:`~lightning_zero.checkpoint.trainer.build_tree`), and ``state_dict()``
+        would wait on the training thread for the step's overlapped parameter gathers."""
+        io = self.checkpoint_io
+        if self._engine is not None and isinstance(io, ZeroCheckpointIO) and io.mode != "full":
+            return {}
+        return super().lightning_module_state_dict()
+
     def _saved_meta(self) -> dict[str, Any] | None:
         """The module metadata of this fit (None outside fit: computed at the save, nothing is in flight)."""
         return self._module_meta if self._engine is not None else None
