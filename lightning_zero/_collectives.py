@@ -92,6 +92,16 @@ def process_group_timeout() -> timedelta:
     return timedelta(minutes=30)
 
 
+def new_group(ranks: list[int] | None = None, backend: str | None = None) -> Any:
+    """``dist.new_group`` with the default group's timeout (the strategy's ``timeout``).
+
+    ``new_group`` without one takes torch's 30 minutes, whatever the default group has: a peer
+    frozen in the middle of one of its collectives then holds the group's worker thread for half an
+    hour, and the survivor, although its bounded wait has already raised, hangs at exit where
+    gloo's destructor joins that thread."""
+    return dist.new_group(ranks=ranks, backend=backend, timeout=process_group_timeout())
+
+
 def wait(work: Work) -> None:
     """Wait for an async collective for at most the process group timeout.
 

@@ -310,7 +310,7 @@ def _own_group(group: dist.ProcessGroup | None, rank_lists: list[list[int]]) -> 
     me = dist.get_rank(group)
     own = None
     for members in rank_lists:
-        created = dist.new_group(ranks=[ranks[r] for r in members], backend=dist.get_backend(group))
+        created = comm.new_group([ranks[r] for r in members], dist.get_backend(group))
         if me in members:
             own = created
     return own
@@ -333,7 +333,7 @@ def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_siz
     if layout is not None and not layout.is_flat:  # a copy of every shard group, made on every rank
         return _own_group(dp_group, layout.shard_groups())
     ranks = dist.get_process_group_ranks(group) if group is not None else None
-    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    return comm.new_group(ranks, dist.get_backend(group))
 
 
 class _GuardedParameters(dict):  # type: ignore[type-arg]

@@ -33,7 +33,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -42,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero._collectives import group_device
+from lightning_zero._collectives import group_device, new_group, process_group_timeout
 from lightning_zero.checkpoint import integrity, storage
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.staging import Stager, ready_event
@@ -101,15 +100,8 @@ def coordination_group() -> Any:
     gloo's 30 minutes."""
     global _coordination_group
     if _coordination_group is None and _world()[1] > 1:
-        _coordination_group = dist.new_group(backend="gloo", timeout=training_timeout())
+        _coordination_group = new_group(backend="gloo")
     return _coordination_group
-
-
-def training_timeout() -> timedelta:
-    """The default process group's timeout (what the strategy's ``timeout`` set), else 30 minutes."""
-    from lightning_zero._collectives import process_group_timeout
-
-    return process_group_timeout()
 
 
 @dataclass(frozen=True)
@@ -172,7 +164,7 @@ def peer_lost(exc: BaseException) -> RuntimeError:
     """The error for a checkpoint collective that another rank never completed."""
     return RuntimeError(
         f"rank {_world()[0]}: lost contact with another rank in a checkpoint collective: a peer process died or"
-        f" stopped answering within the process group timeout ({training_timeout()}). Nothing of this checkpoint"
+        f" stopped answering within the process group timeout ({process_group_timeout()}). Nothing of this checkpoint"
         f" is committed unless rank 0 wrote its marker; check the other ranks' logs. ({type(exc).__name__}: {exc})"
     )
 

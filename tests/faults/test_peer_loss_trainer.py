@@ -26,17 +26,8 @@ LOST = r"lost contact|stopped answering|timed out|Timed out|Connection (closed|r
 pytestmark = pytest.mark.slow
 
 
-FROZEN_IN_TRAINING = pytest.mark.xfail(
-    strict=False, raises=(AssertionError, subprocess.TimeoutExpired),
-    reason="A peer frozen during training: the survivor raises the timeout error after 8 s, then its teardown"
-           " waits out the remaining collectives (the in-flight save's exchanges, Lightning's teardown): 30 s to"
-           " more than 170 s after the signal, depending on load. Aborting the groups after the first loss is"
-           " not built yet; not strict, since on a quiet machine it can pass.",
-)
-
-
 @pytest.mark.parametrize(("sig", "when"), [("KILL", "train"), ("KILL", "save"), ("STOP", "save"),
-                                           pytest.param("STOP", "train", marks=FROZEN_IN_TRAINING)])
+                                           ("STOP", "train")])
 def test_the_surviving_rank_leaves_within_the_timeout_naming_the_lost_peer(tmp_path: Path, sig: str,
                                                                            when: str) -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
