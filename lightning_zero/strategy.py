@@ -172,7 +172,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self.lr_scheduler_configs = []
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            saver.prepare()  # every save coordinates in the background, also after validate/test
+            saver.prepare(self.num_processes)  # every save coordinates in the background, also after validate/test
             if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
                 # Each save's cost reaches the user's loggers without them asking (no collective).
                 trainer.callbacks.append(CheckpointMetrics())

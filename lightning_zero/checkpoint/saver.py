@@ -24,7 +24,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import pickle
 import threading
@@ -43,6 +42,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero._collectives import group_device, new_group, process_group_timeout
 from lightning_zero.checkpoint import integrity, storage
+from lightning_zero.checkpoint.dcp_items import (
+    FlatChunk,
+    FlatChunkLoadPlanner,
+    FlatChunkSavePlanner,
+    parallel_reads,
+    read_threads,
+)
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.staging import Stager, ready_event
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
@@ -83,13 +89,28 @@ def _world() -> tuple[int, int]:
 _coordination_group: Any = None
 
 
-def prepare() -> None:
+def prepare(local_ranks: int | None = None) -> None:
     """(collective, every rank, training thread) Create what background saves coordinate over:
-    the gloo group and the device mesh. The strategy calls this at setup, so that no save (in
-    ``local`` mode: no collective at all) has to make a collective on the training thread."""
+    the gloo group. The strategy calls this at setup, so that no save (in ``local`` mode: no
+    collective at all) has to make a collective on the training thread. ``local_ranks``: the
+    ranks on this node, which share its CPUs between their reader threads ([Note: parallel reads])."""
+    global _local_ranks
     coordination_group()
-    if _world()[1] > 1:
-        _mesh()
+    if local_ranks is not None:
+        _local_ranks = local_ranks
+
+
+_local_ranks: int | None = None
+
+
+def _ranks_on_this_node() -> int:
+    """What ``prepare`` was told, else torchrun's ``LOCAL_WORLD_SIZE``, else every rank (the safe
+    guess: fewer reader threads)."""
+    if _local_ranks is not None:
+        return _local_ranks
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return _world()[1]
 
 
 def coordination_group() -> Any:
@@ -316,12 +337,11 @@ def _forget_after_fork() -> None:
     process groups are not the child's. The child starts with none of them. The parent's objects are
     kept referenced, never destroyed here: a process group's destructor would wait for threads that
     do not exist in this process."""
-    global _SAVER, _STAGER, _coordination_group, _device_mesh
-    _INHERITED.extend([_SAVER, _STAGER, _coordination_group, _device_mesh])
+    global _SAVER, _STAGER, _coordination_group
+    _INHERITED.extend([_SAVER, _STAGER, _coordination_group])
     _SAVER = _AsyncSaver()
     _STAGER = Stager()
     _coordination_group = None
-    _device_mesh = None
     _READ_AHEAD.clear()
 
 
@@ -642,7 +662,6 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     every tensor (flat shards hide it from DCP's metadata)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
@@ -654,7 +673,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
-        planner = _spread_planner() if _has_replicas(state) else DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        planner = FlatChunkSavePlanner(spread_replicas=_has_replicas(state))
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
         dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
@@ -664,7 +683,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
         objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
         _torch_save_to(loc, f"{version_dir}/objects.pt", objects)
-    return getattr(planner, "bytes_planned", None)
+    return planner.bytes_planned
 
 
 def _has_replicas(state: Any) -> bool:
@@ -713,19 +732,13 @@ def _unreachable(error: str) -> bool:
 
 
 def _split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
-    """Tensors (FlatShard as 1-D DTensors) for DCP, keyed by path; the rest for ``objects.pt``."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
+    """Tensors (FlatShard as a FlatChunk, [Note: flat chunks for DCP]) for DCP, keyed by path; the
+    rest for ``objects.pt``."""
     tensors: dict[str, Any] = {}
     for path, leaf in walk(state):
         key = "/".join(path)
-        if isinstance(leaf, FlatShard) and leaf.replicas > 1:
-            tensors[key] = DTensor.from_local(leaf.local, _hybrid_mesh(leaf.replicas, leaf.world_size),
-                                              [Replicate(), Shard(0)], run_check=False,
-                                              shape=torch.Size([leaf.numel]), stride=(1,))
-        elif isinstance(leaf, FlatShard):
-            tensors[key] = DTensor.from_local(leaf.local, _mesh(), [Shard(0)], run_check=False,
-                                              shape=torch.Size([leaf.numel]), stride=(1,))
+        if isinstance(leaf, FlatShard):
+            tensors[key] = FlatChunk.of(leaf)
         elif isinstance(leaf, Tensor):
             tensors[key] = leaf
     objects = map_leaves(state, _object_leaf)
@@ -738,102 +751,6 @@ def _object_leaf(leaf: Any) -> Any:
     if isinstance(leaf, FlatShard):
         return {"flat_shard_shape": list(leaf.shape)}
     return None if is_tensor_leaf(leaf) else leaf
-
-
-_device_mesh: Any = None
-
-
-def _mesh() -> Any:
-    global _device_mesh
-    if _device_mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        # On the gloo coordination group, whatever the training group's backend: DCP's collectives run
-        # there (CPU tensors), and a CPU mesh over an NCCL default group would be a CPU-on-NCCL mesh.
-        _device_mesh = DeviceMesh.from_group(coordination_group() or dist.group.WORLD, "cpu")
-    return _device_mesh
-
-
-_hybrid_meshes: dict[tuple[int, int], Any] = {}
-
-
-def _hybrid_mesh(replicas: int, shard_group_size: int) -> Any:
-    """The ``(replicas, shard_group_size)`` mesh of [Note: hybrid layout] (row k: shard group k).
-
-    Only its coordinates are used (DTensor.from_local without checks, DCP's chunk offsets); DCP's own
-    collectives run on the group passed to it, so the mesh creates no process groups: creating them
-    here, on the background thread, would race the training thread's collectives."""
-    key = (replicas, shard_group_size)
-    if key not in _hybrid_meshes:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks = torch.arange(replicas * shard_group_size).view(replicas, shard_group_size)
-        _hybrid_meshes[key] = DeviceMesh("cpu", ranks, mesh_dim_names=("replicate", "shard"), _init_backend=False)
-    return _hybrid_meshes[key]
-
-
-def _spread_planner() -> Any:
-    """DCP's default planner with [Note: spread replicated writes]."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    class SpreadReplicasSavePlanner(DefaultSavePlanner):
-        """[Note: spread replicated writes] DCP keeps one copy of every chunk several ranks hold. Its
-        ``dedup_save_to_lowest_rank`` gives every copy of a hybrid shard to shard group 0, which would
-        then write the whole state while the other groups write nothing. Here a plain tensor
-        (buffers, parameters no optimizer holds) still goes to the lowest rank, so a checkpoint holds
-        rank 0's buffers as DDP does (DESIGN.md, Lifecycle); a chunk replicated across shard groups
-        goes to whichever of its holders has the fewest bytes planned so far, largest chunks first
-        (longest-processing-time first), so the writes spread over the replica groups, each chunk is
-        written once and the total is one copy of the state."""
-
-        def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
-            return _spread_dedup(all_plans, {key for key, value in self.state_dict.items() if _is_dtensor(value)})
-
-        def finish_plan(self, new_plan: Any) -> Any:
-            self.bytes_planned = sum(_chunk_bytes(item) for item in new_plan.items)
-            return super().finish_plan(new_plan)
-
-    return SpreadReplicasSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _chunk_bytes(item: Any) -> int:
-    """Bytes of the chunk a write item writes. (``WriteItem.tensor_storage_size`` counts the whole
-    tensor's size, not the chunk's, so DCP's own balancing weighs every shard of a tensor alike.)"""
-    if item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-def _spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:
-    """One holder per write item: see [Note: spread replicated writes]."""
-
-    holders: dict[Any, list[int]] = collections.defaultdict(list)
-    items: dict[Any, Any] = {}
-    for plan_index, plan in enumerate(all_plans):
-        for item in plan.items:
-            holders[item.index].append(plan_index)
-            items[item.index] = item
-    planned = [0] * len(all_plans)
-    keep: dict[Any, int] = {}
-    spread = []
-    for index, ranks in holders.items():
-        if len(ranks) == 1 or index.fqn not in spread_fqns:
-            keep[index] = min(ranks)
-            planned[keep[index]] += _chunk_bytes(items[index])
-        else:
-            spread.append(index)
-    spread.sort(key=lambda index: -_chunk_bytes(items[index]))
-    for index in spread:
-        keep[index] = min(holders[index], key=lambda r: (planned[r], r))
-        planned[keep[index]] += _chunk_bytes(items[index])
-    return [dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == plan_index])
-            for plan_index, plan in enumerate(all_plans)]
 
 
 def _write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) -> None:
@@ -1252,10 +1169,11 @@ def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False
     def require() -> bool:
         return require_checksums
 
+    threads = read_threads(_ranks_on_this_node())
     if loc.is_local:
-        return integrity.verifying_reader(dcp.FileSystemReader, loc.url, require)(version_dir)
-    reader = integrity.verifying_reader(FsspecReader, loc.url, require)(loc.fs.unstrip_protocol(version_dir),
-                                                                        **_fs_options(loc))
+        return parallel_reads(integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(version_dir)
+    reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
+        loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
     _same_retries(reader, loc)
     return reader
 
@@ -1322,7 +1240,8 @@ def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: A
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, storage_reader=reader, process_group=coordination_group() if team is None else team.group)
+        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(),
+                 process_group=coordination_group() if team is None else team.group)
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         cause = _dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):
@@ -1337,7 +1256,7 @@ def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: A
         for path, leaf in walk(state_dict):
             key = "/".join(path)
             if isinstance(leaf, FlatShard):
-                leaf.local.copy_(targets[key].to_local())
+                leaf.local.copy_(targets[key].local)
             elif isinstance(leaf, Tensor):
                 leaf.copy_(targets[key])
     return objects

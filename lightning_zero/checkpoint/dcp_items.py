@@ -1,0 +1,212 @@
+"""How a flat shard is handed to ``torch.distributed.checkpoint`` (DCP) in ``sharded`` mode.
+
+[Note: flat chunks for DCP] A :class:`~lightning_zero.checkpoint.tree.FlatShard` is the local
+part of a 1-D tensor with ``Shard(0)`` placement: elements ``[start, start + len)`` of the
+flattened parameter, ``start`` fixed by the even split. DCP stores such a chunk by its global
+offset and size, and any world size reads back the ranges it needs.
+
+A 1-D DTensor would describe the same chunk, but DCP asks a DTensor for its offset through
+``compute_local_shape_and_global_offset``, which in torch 2.13 builds ``torch.arange`` over the
+whole local shard for every tensor: 8 bytes per element of the shard, at every save and every
+load (about 0.1 s of a 284 MB save here; 7 GB for one 7B-parameter tensor group at 8 ranks).
+:class:`FlatChunk` implements the checkpointable protocol DCP asks of DTensor
+(``__create_write_items__``, ``__create_chunk_list__``) with the offset the even split already
+knows, and the two planners hand DCP its local tensor where DCP would look into a DTensor. The
+files and ``.metadata`` are the same as for the DTensor: standard DCP readers, with DTensors or
+plain tensors as targets, read them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from lightning_zero.checkpoint.tree import FlatShard
+
+
+class FlatChunk:
+    """One rank's chunk of a flattened tensor of ``numel`` elements, for DCP (see the module note).
+
+    ``offset`` is where the chunk starts in the flat tensor; an empty chunk (a trailing rank of a
+    tensor smaller than the group) sits at ``numel``, where DTensor puts it."""
+
+    def __init__(self, local: Tensor, numel: int, offset: int) -> None:
+        self.local = local
+        self.numel = numel
+        self.offset = offset
+
+    @classmethod
+    def of(cls, shard: FlatShard) -> FlatChunk:
+        return cls(shard.local, shard.numel, shard.layout.start(shard.rank))
+
+    def size(self) -> torch.Size:
+        return torch.Size([self.numel])
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        chunk = self._chunk()
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
+                              self.local), size=self.size()))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+    def __repr__(self) -> str:
+        return f"FlatChunk(numel={self.numel}, offset={self.offset}, local={self.local.numel()})"
+
+
+class FlatChunkSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, for state dicts that hold :class:`FlatChunk` values.
+
+    ``spread_replicas``: see [Note: spread replicated writes]."""
+
+    def __init__(self, spread_replicas: bool = False) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self.spread_replicas = spread_replicas
+        self.bytes_planned: int | None = None
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, FlatChunk):
+            if index.offset != torch.Size([obj.offset]):
+                raise ValueError(f"{index.fqn!r}: this rank holds the chunk at {obj.offset}, not {index.offset}")
+            return obj.local
+        return super().lookup_object(index)
+
+    def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
+        if not self.spread_replicas:
+            return super()._dedup_save_plans(all_plans)
+        return spread_dedup(all_plans, {key for key, value in self.state_dict.items() if isinstance(value, FlatChunk)})
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        self.bytes_planned = sum(chunk_bytes(item) for item in new_plan.items)
+        return super().finish_plan(new_plan)
+
+
+class FlatChunkLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, for state dicts that hold :class:`FlatChunk` targets."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        chunks = {key: value for key, value in state_dict.items() if isinstance(value, FlatChunk)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        # DCP's meta-tensor initialisation rewrites, in place, every value it does not know as None.
+        state_dict.update(chunks)
+        self.state_dict.update(chunks)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, FlatChunk):
+            return obj.local  # ReadItem.dest_offsets are relative to this rank's chunk
+        return super().lookup_tensor(index)
+
+
+def chunk_bytes(item: Any) -> int:
+    """Bytes of the chunk a write item writes. (``WriteItem.tensor_storage_size`` counts the whole
+    tensor's size, not the chunk's, so DCP's own balancing weighs every shard of a tensor alike.)"""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:
+    """One holder per write item.
+
+    [Note: spread replicated writes] DCP keeps one copy of every chunk several ranks hold. Its
+    ``dedup_save_to_lowest_rank`` gives every copy of a hybrid shard to shard group 0, which would
+    then write the whole state while the other groups write nothing. Here a plain tensor (buffers,
+    parameters no optimizer holds) still goes to the lowest rank, so a checkpoint holds rank 0's
+    buffers as DDP does (DESIGN.md, Lifecycle); a chunk replicated across shard groups goes to
+    whichever of its holders has the fewest bytes planned so far, largest chunks first
+    (longest-processing-time first), so the writes spread over the replica groups, each chunk is
+    written once and the total is one copy of the state."""
+    holders: dict[Any, list[int]] = collections.defaultdict(list)
+    items: dict[Any, Any] = {}
+    for plan_index, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders[item.index].append(plan_index)
+            items[item.index] = item
+    planned = [0] * len(all_plans)
+    keep: dict[Any, int] = {}
+    spread = []
+    for index, ranks in holders.items():
+        if len(ranks) == 1 or index.fqn not in spread_fqns:
+            keep[index] = min(ranks)
+            planned[keep[index]] += chunk_bytes(items[index])
+        else:
+            spread.append(index)
+    spread.sort(key=lambda index: -chunk_bytes(items[index]))
+    for index in spread:
+        keep[index] = min(holders[index], key=lambda r: (planned[r], r))
+        planned[keep[index]] += chunk_bytes(items[index])
+    return [dataclasses.replace(plan, items=[item for item in plan.items if keep[item.index] == plan_index])
+            for plan_index, plan in enumerate(all_plans)]
+
+
+def split_reads(items: list[Any], storage_data: dict[Any, Any], parts: int) -> list[list[Any]]:
+    """``items`` (DCP read items) cut into at most ``parts`` runs of about equal bytes, in file and
+    offset order, for that many reader threads ([Note: parallel reads]). Each run reads its own
+    byte ranges; a file may be split between two runs."""
+    ordered = sorted(items, key=lambda item: (storage_data[item.storage_index].relative_path,
+                                              storage_data[item.storage_index].offset))
+    total = sum(storage_data[item.storage_index].length for item in ordered)
+    runs: list[list[Any]] = [[]]
+    done = 0
+    for item in ordered:
+        if runs[-1] and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(item)
+        done += storage_data[item.storage_index].length
+    return runs
+
+
+def parallel_reads(base: type, threads: int) -> type:
+    """A subclass of DCP reader class ``base`` whose ``read_data`` runs on ``threads`` threads.
+
+    [Note: parallel reads] DCP's file readers read a plan's items one after the other on the
+    calling thread: a read, a ``torch.load`` of the item's bytes, a copy into the target. One
+    process loading a checkpoint that several wrote (a reshard to fewer ranks, a conversion) then
+    reads at one thread's rate. File reads, checksums, deserialisation of the storage bytes and
+    the copies release the GIL, so a few threads over disjoint byte ranges read in parallel;
+    every run of items opens its own streams and writes disjoint targets."""
+
+    class ParallelReader(base):  # type: ignore[misc, valid-type]
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            runs = split_reads(plan.items, self.storage_data, threads) if threads > 1 else []
+            if len(runs) < 2:
+                return super().read_data(plan, planner)
+            read = super().read_data
+            with ThreadPoolExecutor(len(runs), thread_name_prefix="lightning_zero_read") as pool:
+                futures = [pool.submit(read, dataclasses.replace(plan, items=run), planner) for run in runs]
+                errors = [future.exception() for future in futures]
+            first = next((error for error in errors if error is not None), None)
+            if first is not None:
+                raise first
+            done: torch.futures.Future[None] = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+    ParallelReader.__name__ = ParallelReader.__qualname__ = f"Parallel{base.__name__}"
+    return ParallelReader
+
+
+def read_threads(local_ranks: int) -> int:
+    """Reader threads per rank: the CPUs this process may use, shared by the ranks of its node,
+    at most ``MAX_READ_THREADS``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_READ_THREADS, cpus // max(1, local_ranks)))
+
+
+MAX_READ_THREADS = 4
