@@ -137,6 +137,13 @@ class Trainer:
     engine: ZeroEngine
     opt: ZeroOptimizer
     batch: Tensor
+    meta: dict[str, Any]
+    """``module_meta`` computed once, as ZeroLowLevelStrategy does at setup: computed at each save
+    it would wait for the step's overlapped parameter gathers (``state.module_meta``)."""
+
+    def tree(self, for_load: bool = False) -> dict[str, Any]:
+        """The tree a save writes or a load fills, as the strategy builds it."""
+        return ckpt_state.zero_state_dict(self.engine, self.model, for_load=for_load, meta=self.meta)
 
     def forward_backward(self) -> None:
         self.model(self.batch).square().mean().backward()
@@ -153,7 +160,7 @@ def build_trainer(settings: Settings, rank: int, shard_group_size: int | None = 
                         ZeroConfig(stage=2, shard_group_size=shard_group_size))
     generator = torch.Generator().manual_seed(settings.seed + 1 + rank)
     batch = torch.randn(settings.batch, model_width(settings.size_mb), generator=generator)
-    return Trainer(model, engine, engine.optimizers[0], batch)
+    return Trainer(model, engine, engine.optimizers[0], batch, ckpt_state.module_meta(model))
 
 
 # ---- tree helpers ---------------------------------------------------------------------------
@@ -192,7 +199,7 @@ def lightning_full_checkpoint(trainer: Trainer) -> dict[str, Any]:
     tree = {
         "epoch": 0,
         "global_step": 1,
-        "state_dict": ckpt_state.zero_state_dict(trainer.engine, trainer.model)["model"],
+        "state_dict": trainer.tree()["model"],
         "optimizer_states": ckpt_state.full_optimizer_states(trainer.engine),
     }
     return map_leaves(tree, lambda leaf: gather_to_rank0(leaf) if isinstance(leaf, FlatShard) else leaf)
@@ -263,7 +270,7 @@ def measure_raw_disk(ctx: Ctx, first: bool) -> None:
 
 
 def measure_clone(ctx: Ctx) -> None:
-    tree = ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model)
+    tree = ctx.trainer.tree()
     tensors = local_tensors(tree)
     ctx.barrier()
     start = now()
@@ -278,7 +285,7 @@ def measure_async(ctx: Ctx, repeat: int, mode: str) -> None:
     path = ctx.path(repeat, f"async-{mode}")
     ctx.barrier()
     start = now()
-    tree = ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model)  # as the strategy does
+    tree = ctx.trainer.tree()  # as the strategy does
     async_save(tree, path, mode=mode)
     returned = now()
     wait_for_staging()
@@ -294,7 +301,7 @@ def measure_sync(ctx: Ctx, repeat: int, mode: str) -> None:
     path = ctx.path(repeat, f"sync-{mode}")
     ctx.barrier()
     start = now()
-    save(ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model), path, mode=mode)
+    save(ctx.trainer.tree(), path, mode=mode)
     ctx.record(f"sync_{mode}", {"block": now() - start})
     ctx.cleanup(repeat, f"sync-{mode}")
 
@@ -314,10 +321,10 @@ def measure_overlap(ctx: Ctx, repeat: int, mode: str, keep: bool) -> dict[str, s
     checkpoint stays for the load measurements; returns the digests of what it must contain."""
     label = f"overlap-{mode}"
     path = ctx.path(repeat, label)
-    expected = tree_digests(ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model)) if keep else None
+    expected = tree_digests(ctx.trainer.tree()) if keep else None
     ctx.barrier()
     start = now()
-    async_save(ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model), path, mode=mode)
+    async_save(ctx.trainer.tree(), path, mode=mode)
     returned = now()
     ctx.trainer.forward_backward()
     backward_done = now()
@@ -377,7 +384,7 @@ def measure_dcp(ctx: Ctx, repeat: int, async_staging: bool) -> None:
                                           use_async_staging=True, use_non_blocking_copy=False)) if async_staging else None
     ctx.barrier()
     start = now()
-    state = per_rank_state(ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model), ctx.rank)
+    state = per_rank_state(ctx.trainer.tree(), ctx.rank)
     response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
                               process_group=ctx.dcp_group, async_stager=stager)
     returned = now()
@@ -403,7 +410,7 @@ def measure_load(ctx: Ctx, path: str, label: str) -> dict[str, str]:
         drop_page_cache(os.path.dirname(path))
     ctx.barrier()
     start = now()
-    tree = ckpt_state.zero_state_dict(ctx.trainer.engine, ctx.trainer.model, for_load=True)
+    tree = ctx.trainer.tree(for_load=True)
     load(tree, path)
     ctx.record(label, {"load": now() - start})
     return tree_digests(tree)
@@ -416,7 +423,7 @@ def world_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     ckpt_saver.prepare()  # as ZeroLowLevelStrategy.setup: the coordination group and the device mesh
     trainer.forward_backward()
     trainer.optimizer_step()  # AdamW builds its moments on the first step
-    tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model)
+    tree = trainer.tree()
     ctx = Ctx(settings, rank, world_size, trainer, dist.new_group(backend="gloo"),
               memoryview(os.urandom(RAW_WRITE_CHUNK)), tree_bytes(tree))
     del tree
@@ -426,7 +433,7 @@ def world_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     # Warm-up, not recorded: process groups, DCP imports and planners, first-touch of the
     # staging memory (a VM maps fresh pages slowly the first time).
     for mode in ("local", "sharded"):
-        async_save(ckpt_state.zero_state_dict(trainer.engine, trainer.model), ctx.path(-1, mode), mode=mode)
+        async_save(trainer.tree(), ctx.path(-1, mode), mode=mode)
         maybe_finalize_async_calls(blocking=True)
         ctx.cleanup(-1, mode)
     measure_dcp(ctx, -1, async_staging=False)
@@ -484,7 +491,7 @@ def integrity_run(rank: int, world_size: int, settings: Settings) -> dict[str, A
     ckpt_saver.prepare()
     trainer.forward_backward()
     trainer.optimizer_step()
-    tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model)
+    tree = trainer.tree()
     ctx = Ctx(settings, rank, world_size, trainer, None, memoryview(b""), tree_bytes(tree))
     del tree
     for repeat in range(-1, settings.repeats):  # -1: warm-up, not recorded
@@ -497,14 +504,14 @@ def integrity_run(rank: int, world_size: int, settings: Settings) -> dict[str, A
                 with guard:
                     ctx.barrier()
                     start = now()
-                    save(ckpt_state.zero_state_dict(trainer.engine, trainer.model), path, mode=mode)
+                    save(trainer.tree(), path, mode=mode)
                     saved = now() - start
                     ctx.barrier()
                     if rank == 0:
                         drop_page_cache(os.path.dirname(path))
                     ctx.barrier()
                     start = now()
-                    load(ckpt_state.zero_state_dict(trainer.engine, trainer.model, for_load=True), path)
+                    load(trainer.tree(for_load=True), path)
                     loaded = now() - start
                 if repeat >= 0:
                     ctx.record(f"integrity_{label}", {"save": saved, "load": loaded})
@@ -555,11 +562,11 @@ def reshard_run(rank: int, world_size: int, settings: Settings, path: str,
     ckpt_saver.prepare()
     for opt in trainer.engine.optimizers:
         ckpt_state.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
-    tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model, for_load=True)
+    tree = trainer.tree(for_load=True)
     load(tree, path)
     matches = matches_saved_shards(tree, expected)
     control = os.path.join(settings.root, f"control-{world_size}", "ckpt")
-    save(ckpt_state.zero_state_dict(trainer.engine, trainer.model), control, mode="sharded")
+    save(trainer.tree(), control, mode="sharded")
     times: dict[str, list[float]] = {"reshard": [], "control": []}
     for repeat in range(settings.repeats):
         order = ("reshard", "control") if repeat % 2 == 0 else ("control", "reshard")
@@ -570,7 +577,7 @@ def reshard_run(rank: int, world_size: int, settings: Settings, path: str,
                 drop_page_cache(os.path.dirname(source))
             dist.barrier()
             start = now()
-            load(ckpt_state.zero_state_dict(trainer.engine, trainer.model, for_load=True), source)
+            load(trainer.tree(for_load=True), source)
             times[which].append(max_over_ranks(now() - start))
     return {**times, "matches": matches, "peak_rss": max_over_ranks(peak_rss_bytes())}
 
@@ -842,7 +849,7 @@ def hybrid_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]
         trainer.forward_backward()
         trainer.optimizer_step()
         trainer.engine.finish_param_gather()
-        tree = ckpt_state.zero_state_dict(trainer.engine, trainer.model)
+        tree = trainer.tree()
         runs = []
         for repeat in range(settings.repeats):
             path = os.path.join(settings.root, f"hybrid-{size}-{repeat}", "ckpt")

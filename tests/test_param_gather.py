@@ -56,6 +56,11 @@ def test_state_dict_finishes_a_pending_gather(rank: int) -> None:
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_building_a_checkpoint_tree_leaves_the_gathers_in_flight(rank: int) -> None:
+    assert results()[rank]["pending_after_checkpoint_tree"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
 def test_overlapped_training_is_bit_identical_to_gathering_in_the_step(rank: int) -> None:
     assert results()[rank]["bit_identical"]
 

@@ -56,7 +56,9 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     strategy computes it once at setup; see there)."""
     ws = engine.shard_size
     model: dict[str, Any] = {}
-    for fqn, p in module.named_parameters():
+    # The engine's list, not module.named_parameters(): that would wait for the step's parameter
+    # gathers on the training thread, and a save needs only the masters of the sharded ones.
+    for fqn, p in engine.named_parameters():
         sp = engine.sharded_params.get(p)
         model[fqn] = _flat(sp, sp.master, ws) if sp is not None else p.detach()
     for fqn, b in module.named_buffers():
