@@ -91,6 +91,52 @@ def test_a_flipped_byte_in_tensor_data_names_the_checkpoint_the_file_and_the_ten
     assert into["w"].local.eq(0.0).all() and into["b"].eq(0.0).all(), "a refused load changed the state"
 
 
+def sharded_item(path: Path, fqn: str) -> tuple[Path, Any]:
+    """The data file holding ``fqn`` in a one-rank ``sharded`` checkpoint, and its storage record."""
+    reader = dcp.FileSystemReader(str(version_dir(path)))
+    (info,) = [info for index, info in reader.read_metadata().storage_data.items() if index.fqn == fqn]
+    return version_dir(path) / info.relative_path, info
+
+
+def test_a_sharded_item_is_checked_against_its_zip_record_crcs_and_directory(tmp_path: Path) -> None:
+    """[Note: why our own checksums]: an item's bytes are checked against its zip's record CRCs, and
+    its directory against the digest .metadata holds: a changed byte of the directory (here the
+    data record's CRC) is refused like changed data. (A data file of another checkpoint, whose zips
+    are intact, fails the digest: test_data_files_of_another_checkpoint_fail_their_checksums.)"""
+    path = tmp_path / "sharded.ckpt"
+    save(big_tree(1.0), str(path), mode="sharded")
+    target, info = sharded_item(path, "w")
+    assert info.crc32[0] == "zip-records"
+    data = bytearray(target.read_bytes())
+    item = bytes(data[info.offset: info.offset + info.length])
+    archive = zipfile.ZipFile(io.BytesIO(item))
+    record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    crc_field = item.rfind(record.CRC.to_bytes(4, "little"))  # the directory's copy comes last
+    data[info.offset + crc_field] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in .*tensor 'w'"):
+        load(big_tree(0.0), str(path))
+
+
+def test_without_torch_record_crcs_the_writer_checksums_every_byte_itself(tmp_path: Path) -> None:
+    """torch's record CRCs can be switched off (per thread; DCP writes on the calling thread here):
+    the writer then stores the CRC32 of each item's bytes, which readers check instead."""
+    import zlib
+
+    from lightning_zero.checkpoint import integrity
+
+    torch.serialization.set_crc32_options(False)
+    try:
+        writer = integrity.checksumming_writer(dcp.FileSystemWriter, "save-1")(str(tmp_path), sync_files=False)
+        dcp.save({"w": torch.full((4096,), 1.0)}, storage_writer=writer, no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    (info,) = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data.values()
+    item = (tmp_path / info.relative_path).read_bytes()[info.offset: info.offset + info.length]
+    assert {record.CRC for record in zipfile.ZipFile(io.BytesIO(item)).infolist()} == {0}  # torch wrote none
+    assert info.crc32 == zlib.crc32(item)
+
+
 @pytest.mark.parametrize("mode", ["local", "sharded"])
 def test_tensors_of_other_shapes_with_the_same_element_count_are_refused(tmp_path: Path, mode: str) -> None:
     path = tmp_path / f"{mode}.ckpt"
