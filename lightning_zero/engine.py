@@ -177,16 +177,24 @@ class ZeroEngine:
             )
             for opt in optimizers
         ]
-        self._named_parameters = list(module.named_parameters())
+        self._module = module
         self._guarded = _guard_parameter_reads(module, self.sharded_params, self.gatherer) \
             if config.overlap_param_gather else []
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The module's parameters by name, as ``module.named_parameters()`` gave them at setup,
-        without waiting for the step's parameter gathers ([Note: guarded parameter reads]): for
-        what needs the parameter objects, not their gathered values (a checkpoint's sharded
-        weights are the masters). Reading a sharded one's value needs ``finish_param_gather()``."""
-        return list(self._named_parameters)
+        """The module's parameters by name, as ``module.named_parameters()`` gives them, without
+        waiting for the step's parameter gathers ([Note: guarded parameter reads]): for what needs
+        the parameter objects, not their gathered values (a checkpoint's sharded weights are the
+        masters). Reading a sharded one's value needs ``finish_param_gather()``."""
+        seen: set[int] = set()
+        named = []
+        for prefix, submodule in self._module.named_modules():
+            # dict.items: the guarded dict's own items() finishes every gather.
+            for name, param in dict.items(submodule._parameters):
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((f"{prefix}.{name}" if prefix else name, param))
+        return named
 
     @property
     def optimizer_shard_numel(self) -> int:

@@ -98,3 +98,27 @@ def test_collective_between_forward_and_backward_with_ranks_reading_different_la
         for fqn, value in expected.items():
             torch.testing.assert_close(result["params"][fqn], value, atol=1e-6, rtol=1e-5,
                                        msg=lambda m, r=rank, f=fqn: f"rank {r}, {f}: {m}")
+
+
+def test_a_checkpoint_tree_holds_the_module_parameters_of_the_moment(single_rank_group: None) -> None:
+    """The tree takes the module's parameters without waiting for gathers, but at each save: a
+    parameter no optimizer holds that is replaced after setup is saved as it is now, and tied
+    weights appear once, as in ``named_parameters()``."""
+    from torch import nn
+
+    from lightning_zero.checkpoint.state import zero_state_dict
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # tied
+    model[1].requires_grad_(False)
+    engine = ZeroEngine(model, [torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)],
+                        ZeroConfig(stage=2))
+    try:
+        model[1].weight = nn.Parameter(torch.full((4, 4), 7.0), requires_grad=False)
+        tree = zero_state_dict(engine, model, meta={})
+        assert [name for name, _ in engine.named_parameters()] == [name for name, _ in model.named_parameters()]
+        assert torch.equal(tree["model"]["1.weight"], torch.full((4, 4), 7.0))
+        assert "2.weight" not in tree["model"]
+    finally:
+        engine.close()

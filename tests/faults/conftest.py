@@ -11,6 +11,6 @@ from lightning_zero.checkpoint import maybe_finalize_async_calls
 
 @pytest.fixture
 def one_rank(single_rank_group: None) -> Iterator[None]:
-    """sharded mode builds DTensors, which need a process group."""
+    """sharded mode saves through DCP, which needs a process group."""
     yield
     maybe_finalize_async_calls(blocking=True)
