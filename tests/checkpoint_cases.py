@@ -292,8 +292,9 @@ def make_trainer(mode: str, dirpath: str | Path, max_epochs: int, *, start_metho
     )
 
 
-def fit(trainer: Trainer, ckpt_path: str | None = None, perturb: bool = False) -> dict[str, Tensor]:
-    """Fit a fresh NetModule (AdamW, StepLR every step); rank 0's weights afterwards.
+def fit(trainer: Trainer, ckpt_path: str | None = None, perturb: bool = False,
+        world_size: int = 2) -> dict[str, Tensor]:
+    """Fit a fresh NetModule (AdamW, StepLR every step) on ``world_size`` ranks; rank 0's weights afterwards.
 
     ``perturb`` shifts the fresh module's weights: a resumed run then matches the uninterrupted
     one only if the checkpoint was really loaded (Lightning merely warns when ``"last"`` finds
@@ -304,7 +305,7 @@ def fit(trainer: Trainer, ckpt_path: str | None = None, perturb: bool = False) -
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(1.0)
-    trainer.fit(module, loader(2, 1, 2), ckpt_path=ckpt_path)
+    trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 

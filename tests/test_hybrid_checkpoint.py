@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from checkpoint_cases import assert_same_state
+from checkpoint_cases import assert_same_state, fit
 from hybrid_cases import load_hybrid, save_and_load_by_group, save_hybrid
 
 from lightning_zero.checkpoint import storage
@@ -156,23 +156,11 @@ def _hybrid_trainer(mode: str, dirpath: Path, max_epochs: int) -> Any:
     )
 
 
-def _hybrid_fit(trainer: Any, ckpt_path: str | None = None, perturb: bool = False) -> dict[str, torch.Tensor]:
-    from lightning_cases import NetModule, loader
-
-    module = NetModule(scheduler=True)
-    if perturb:
-        with torch.no_grad():
-            for p in module.parameters():
-                p.add_(1.0)
-    trainer.fit(module, loader(2, 1, 4), ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
 @pytest.mark.parametrize("mode", ["sharded", "local"])
 def test_trainer_2x2_resumes_from_last_exactly(tmp_path: Path, mode: str) -> None:
-    uninterrupted = _hybrid_fit(_hybrid_trainer(mode, tmp_path / "straight", 2))
-    _hybrid_fit(_hybrid_trainer(mode, tmp_path / "resumed", 1))
-    resumed = _hybrid_fit(_hybrid_trainer(mode, tmp_path / "resumed", 2), ckpt_path="last", perturb=True)
+    uninterrupted = fit(_hybrid_trainer(mode, tmp_path / "straight", 2), world_size=4)
+    fit(_hybrid_trainer(mode, tmp_path / "resumed", 1), world_size=4)
+    resumed = fit(_hybrid_trainer(mode, tmp_path / "resumed", 2), ckpt_path="last", perturb=True, world_size=4)
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
 
