@@ -186,15 +186,9 @@ class ZeroEngine:
         waiting for the step's parameter gathers ([Note: guarded parameter reads]): for what needs
         the parameter objects, not their gathered values (a checkpoint's sharded weights are the
         masters). Reading a sharded one's value needs ``finish_param_gather()``."""
-        seen: set[int] = set()
-        named = []
-        for prefix, submodule in self._module.named_modules():
-            # dict.items: the guarded dict's own items() finishes every gather.
-            for name, param in dict.items(submodule._parameters):
-                if param is not None and id(param) not in seen:
-                    seen.add(id(param))
-                    named.append((f"{prefix}.{name}" if prefix else name, param))
-        return named
+        # nn.Module's own walk (dedup of tied weights, naming), reading each ``_parameters`` with
+        # dict.items: the guarded dict's items() finishes every gather.
+        return list(self._module._named_members(lambda module: dict.items(module._parameters)))
 
     @property
     def optimizer_shard_numel(self) -> int:
