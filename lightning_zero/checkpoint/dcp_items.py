@@ -76,7 +76,7 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
     def __init__(self, spread_replicas: bool = False) -> None:
         super().__init__(dedup_save_to_lowest_rank=True)
         self.spread_replicas = spread_replicas
-        self.bytes_planned: int | None = None
+        self.bytes_planned = 0
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]

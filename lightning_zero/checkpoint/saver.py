@@ -482,7 +482,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, sta
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
                                   " checkpoint is intact. " + "; ".join(errors))
     write_started = time.perf_counter()
-    planned_bytes: int | None = None  # what DCP's plan gave this rank to write, when replicas were spread
+    planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
     try:
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
@@ -509,8 +509,9 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, sta
             # `save_last="link"` on S3) names the same data.
             data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
             fields = {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id}
-            if shard_group_size_of(state, world_size) != world_size:
-                fields["shard_group_size"] = shard_group_size_of(state, world_size)
+            shard_group_size = shard_group_size_of(state, world_size)
+            if shard_group_size != world_size:
+                fields["shard_group_size"] = shard_group_size
             storage.write_marker(loc, fields, marker_fields)
         except Exception as exc:
             commit_error = f"writing the commit marker failed: {exc}"
@@ -656,7 +657,7 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
     _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str) -> int | None:
+def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str) -> int:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata)."""
@@ -919,11 +920,11 @@ def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team) -> Cal
 def agree(error: BaseException | None, loc: Location, team: _Team | None = None) -> None:
     """(collective over the coordination group, or the team's, when there is more than one rank) Raise
     on every rank if any rank failed: this rank's own error, or one that names the failing ranks."""
-    rank, world_size = _world()
+    team = team if team is not None else _team()
     reports: list[str | None] = [None]
-    if world_size > 1 and (team is None or team.world_size > 1):
-        report = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
-        reports = _all_gather_objects(report, coordination_group() if team is None else team.group)
+    if team.world_size > 1:
+        report = None if error is None else f"rank {_world()[0]}: {type(error).__name__}: {error}"
+        reports = _all_gather_objects(report, team.group)
     if error is not None:
         raise error
     failed = [r for r in reports if r]
@@ -1218,7 +1219,7 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
 
 
 def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
-                     team: _Team | None = None) -> Callable[[], dict[str, Any]]:
+                     team: _Team) -> Callable[[], dict[str, Any]]:
     _, objects, found, reader, metadata = open_sharded(loc, marker)
     # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
@@ -1236,12 +1237,11 @@ def _empty_like(leaf: Any) -> Any:
 
 
 def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
-                  objects: dict[str, Any], team: _Team | None = None) -> dict[str, Any]:
+                  objects: dict[str, Any], team: _Team) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(),
-                 process_group=coordination_group() if team is None else team.group)
+        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(), process_group=team.group)
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         cause = _dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):
