@@ -18,11 +18,10 @@ error. ``zlib.crc32`` (no extra dependency, ~3 GB/s on one core here) is compute
   directory is byte for byte the one written and that every record has the CRC it gives
   (``zipfile``'s ``testzip``): a flipped byte of data fails the second, one of the directory (a
   field torch reads but ``testzip`` does not) the first, and so does a data file of another
-  checkpoint. Only where torch
-  was told not to compute record CRCs does the wrapper compute a CRC32 of the item's bytes itself
-  (the first format, which readers still accept): doing so always checksummed every byte twice, a
-  quarter of a background save's CPU. This works at any world size, because a reshard still reads
-  whole saved items (and narrows them afterwards).
+  checkpoint. Only where torch was told not to compute record CRCs does the wrapper compute a
+  CRC32 of the item's bytes itself (the first format, which readers still accept): doing so always
+  checksummed every byte twice, a quarter of a background save's CPU. This works at any world
+  size, because a reshard still reads whole saved items (and narrows them afterwards).
 
 The save id ties the parts together: the commit marker names it, every ``local`` rank file and the
 ``sharded`` objects file repeat it, and the objects file also records DCP's own save id, which
@@ -283,8 +282,6 @@ def checksumming_writer(base: type, save_id: str) -> type:
             for result in future.wait():
                 info = result.storage_data
                 crc = self.fs.segments.get(info.relative_path, {}).get((info.offset, info.length))
-                if isinstance(crc, tuple) and crc[1] is None:
-                    crc = None  # the zip directory was not among the item's last small writes
                 if crc is None:  # DCP changed how it writes items: fail loudly rather than save unchecked
                     raise RuntimeError(
                         f"lightning_zero could not checksum item {result.index.fqn!r} of {info.relative_path!r}"
@@ -304,15 +301,15 @@ ZIP_RECORDS = "zip-records"
 """First element of a ``sharded`` item's checksum when it is the digest of its zip directory."""
 
 
-def _directory_digest(tail: bytes) -> tuple[str, int | None]:
+def _directory_digest(tail: bytes) -> tuple[str, int] | None:
     """(:data:`ZIP_RECORDS`, CRC32 of the central directory and end records) of the ``torch.save``
-    zip whose end is ``tail`` (``zipfile`` accepts a zip whose beginning is cut off). ``None`` as
-    the digest if ``tail`` does not hold the whole directory."""
+    zip whose end is ``tail`` (``zipfile`` accepts a zip whose beginning is cut off); None if
+    ``tail`` does not hold the whole directory (the writer then refuses to save unchecked)."""
     try:
         with zipfile.ZipFile(io.BytesIO(tail)) as archive:
             return ZIP_RECORDS, zlib.crc32(tail[archive.start_dir:])
     except Exception:  # noqa: BLE001 - whatever zipfile raises: not a directory we can digest
-        return ZIP_RECORDS, None
+        return None
 
 
 def _item_intact(data: bytes, expected: Any) -> bool:
