@@ -30,17 +30,18 @@ now = time.monotonic  # CLOCK_MONOTONIC: comparable across the processes of one 
 # ---- file helpers ---------------------------------------------------------------------------
 
 
-def write_raw(path: str, nbytes: int, chunk: memoryview) -> tuple[float, float]:
-    """Sequential large writes then fsync; returns (start, end) on the monotonic clock."""
+def write_raw(path: str, nbytes: int, chunk: memoryview, writeback: bool = False) -> tuple[float, float]:
+    """Sequential large writes then fsync; returns (start, end) on the monotonic clock. With
+    ``writeback``, through the checkpoint writers' ``WritebackStream`` ([Note: early writeback])."""
+    from lightning_zero.checkpoint.storage import WritebackStream
+
     start = now()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with open(path, "wb", buffering=0) as raw:
+        f = WritebackStream(raw) if writeback else raw
         left = nbytes
         while left > 0:
-            left -= os.write(fd, chunk[: min(left, len(chunk))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            left -= f.write(chunk[: min(left, len(chunk))])
+        os.fsync(raw.fileno())
     return start, now()
 
 

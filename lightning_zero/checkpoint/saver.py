@@ -590,7 +590,7 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
     if loc.is_local:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            _save_keeping_write_errors(obj, f)
+            _save_keeping_write_errors(obj, storage.WritebackStream(f))  # [Note: early writeback]
             f.flush()
             os.fsync(f.fileno())
     else:
@@ -667,6 +667,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
         writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True)
+        writer.fs = storage.WritebackFileSystem(writer.fs)  # [Note: early writeback]
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
         writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))

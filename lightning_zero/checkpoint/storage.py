@@ -23,8 +23,11 @@ import json
 import os
 import pickle
 import re
+import sys
 import uuid
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +139,86 @@ def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     else:
         hint = "see the cause below"
     return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
+
+
+# ---- local files: writeback started while writing -------------------------------------------
+
+WRITEBACK_BYTES = 32 * 2**20
+"""How much a :class:`WritebackStream` lets pile up in the page cache before it starts writing it out."""
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _load_sync_file_range() -> Any:
+    """glibc's ``sync_file_range``, or None (not Linux, or not found): :class:`WritebackStream` then
+    passes writes through and the final fsync does all the writing, as it would without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class WritebackStream:
+    """A local file being written, whose bytes the kernel starts writing to disk every
+    :data:`WRITEBACK_BYTES` instead of at the final fsync.
+
+    [Note: early writeback] Writes land in the page cache at memory speed and the fsync that makes a
+    checkpoint file durable then waits for the disk to take the whole file: on the benchmark's disk
+    two thirds of a plain 284 MB write + fsync was the fsync. ``sync_file_range(SYNC_FILE_RANGE_WRITE)``
+    on each range as it fills hands it to the disk while serialization goes on (it queues the pages and
+    returns), so disk and CPU work at once and the fsync finds little left; RocksDB's ``bytes_per_sync``
+    does the same. It promises nothing about durability (no metadata, no cache flush of the device):
+    the fsync that follows still does that. Everything else (``tell``, ``fileno``, ``flush``, ...)
+    is the wrapped file's."""
+
+    def __init__(self, raw: Any, every: int | None = None) -> None:
+        self._raw = raw
+        self._every = WRITEBACK_BYTES if every is None else every
+        try:
+            self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            self._fd = None
+        self._position = 0  # bytes written through this wrapper
+        self._started = 0  # bytes whose writeback has been started
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        self._position += len(memoryview(data).cast("B")) if written is None else written
+        if self._fd is not None and self._position - self._started >= self._every:
+            self._raw.flush()  # out of Python's buffer, so the range is in the page cache
+            # A failure here (EIO, ENOSPC) comes back from the fsync too, which raises it.
+            _sync_file_range(self._fd, self._started, self._position - self._started, _SYNC_FILE_RANGE_WRITE)
+            self._started = self._position
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class WritebackFileSystem:
+    """DCP's local ``FileSystem`` whose write streams are :class:`WritebackStream` s (its other
+    methods, reads included, are the wrapped one's)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._inner.create_stream(path, mode) as stream:
+            yield WritebackStream(stream) if "w" in mode else stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 MARKER_KEY = "lightning_zero"

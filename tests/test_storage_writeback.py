@@ -1,0 +1,105 @@
+"""Early writeback of local checkpoint files ([Note: early writeback] in checkpoint/storage.py): what
+the writers hand the kernel while they write, and that nothing about the files changes."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint import FlatShard, load, save, storage
+
+MIB = 2**20
+
+
+class Recorder:
+    """Stands in for ``sync_file_range``: records each (fd, offset, length) and returns ``result``."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.result = result
+
+    def __call__(self, fd: int, offset: int, length: int, flags: int) -> int:
+        assert flags == storage._SYNC_FILE_RANGE_WRITE  # start writeback, never wait
+        self.calls.append((fd, offset, length))
+        return self.result
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    recorder = Recorder()
+    monkeypatch.setattr(storage, "_sync_file_range", recorder)
+    return recorder
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_linux_provides_sync_file_range() -> None:
+    # Without it the writers silently fall back to fsync-only writes: fail loudly here instead.
+    assert storage._sync_file_range is not None
+
+
+def test_writeback_covers_what_was_written_in_order_and_the_bytes_are_unchanged(tmp_path: Path,
+                                                                                 recorder: Recorder) -> None:
+    payload = torch.randint(0, 256, (10 * MIB + 123,), dtype=torch.uint8).numpy().tobytes()
+    path = tmp_path / "file.bin"
+    with open(path, "wb") as f:
+        stream = storage.WritebackStream(f, every=3 * MIB)
+        for start in range(0, len(payload), MIB // 2):
+            stream.write(payload[start:start + MIB // 2])
+        fd = f.fileno()
+    assert path.read_bytes() == payload
+    # Consecutive ranges from 0, each at least `every`, started as soon as each filled; the tail
+    # under `every` is left to the fsync.
+    assert [c[0] for c in recorder.calls] == [fd] * len(recorder.calls)
+    offsets = [offset for _, offset, _ in recorder.calls]
+    assert offsets[0] == 0
+    assert all(a + length == b for (_, a, length), b in zip(recorder.calls, offsets[1:], strict=False))
+    assert all(length >= 3 * MIB for _, _, length in recorder.calls)
+    covered = offsets[-1] + recorder.calls[-1][2]
+    assert len(payload) - 3 * MIB < covered <= len(payload)
+
+
+def test_a_stream_without_a_file_descriptor_is_written_through(recorder: Recorder) -> None:
+    buffer = io.BytesIO()
+    stream = storage.WritebackStream(buffer, every=1)
+    stream.write(b"abc")
+    stream.write(memoryview(b"defg"))
+    assert buffer.getvalue() == b"abcdefg" and stream.tell() == 7
+    assert recorder.calls == []
+
+
+def big_state(value: float) -> dict[str, Any]:
+    numel = 3 * MIB  # 12 MiB of fp32
+    return {"w": FlatShard(torch.full((numel,), value), (numel,), 0, 1), "b": torch.full((5,), value)}
+
+
+@pytest.mark.parametrize("mode", ["local", "sharded", "full"])
+def test_every_mode_starts_writeback_while_writing_and_loads_the_same_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: Recorder, single_rank_group: None,
+        mode: str) -> None:
+    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 4 * MIB)
+    path = tmp_path / "ckpt"
+    save(big_state(1.5), str(path), mode=mode)
+    assert sum(length for _, _, length in recorder.calls) >= 8 * MIB  # of the 12 MiB file
+    target = big_state(0.0)
+    load(target, str(path))
+    assert torch.equal(target["w"].local, big_state(1.5)["w"].local)
+    assert torch.equal(target["b"], big_state(1.5)["b"])
+
+
+def test_a_failed_writeback_request_leaves_the_save_to_the_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   single_rank_group: None) -> None:
+    # sync_file_range only asks; a refusal (-1) must not fail or change the save.
+    failing = Recorder(result=-1)
+    monkeypatch.setattr(storage, "_sync_file_range", failing)
+    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 4 * MIB)
+    path = tmp_path / "ckpt"
+    save(big_state(2.5), str(path), mode="sharded")
+    assert failing.calls
+    target = big_state(0.0)
+    load(target, str(path))
+    assert torch.equal(target["w"].local, big_state(2.5)["w"].local)
