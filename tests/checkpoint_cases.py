@@ -377,3 +377,39 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
     fresh_model, fresh = build(rank, world_size, perturb=1.0)
     load_into(fresh, fresh_model, path, saved["state"])
     return {"error": error, "saved": saved, "loaded": gather_full_state(fresh)}
+
+
+def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, bool]:
+    """Two ``sharded`` saves of one tree structure, then both loaded back: (global plans the
+    coordinator computed, whether both loads equal what was saved). [Note: cached save plans]"""
+    from lightning_zero.checkpoint import dcp_items
+    from lightning_zero.checkpoint.tree import FlatShard
+    from lightning_zero.sharding import EvenShard
+
+    planned = []
+    original = dcp_items.FlatChunkSavePlanner._create_global_plan
+
+    def counted(self: Any, all_plans: list[Any]) -> Any:
+        planned.append(len(all_plans))
+        return original(self, all_plans)
+
+    dcp_items.FlatChunkSavePlanner._create_global_plan = counted  # type: ignore[method-assign]
+    layout = EvenShard(10, world_size)
+
+    def tree(value: float) -> dict[str, Any]:
+        full = torch.arange(10, dtype=torch.float32) * value
+        return {"w": FlatShard(full[layout.local_slice(rank)].clone(), (2, 5), rank, world_size),
+                "b": torch.full((3,), value)}
+
+    try:
+        for name, value in (("a", 1.0), ("b", 2.0)):
+            save(tree(value), f"{root}/{name}", mode="sharded")
+        same = True
+        for name, value in (("a", 1.0), ("b", 2.0)):
+            target = tree(0.0)
+            load(target, f"{root}/{name}")
+            expected = tree(value)
+            same &= torch.equal(target["w"].local, expected["w"].local) and torch.equal(target["b"], expected["b"])
+    finally:
+        dcp_items.FlatChunkSavePlanner._create_global_plan = original  # type: ignore[method-assign]
+    return len(planned), same

@@ -67,3 +67,73 @@ def test_reads_split_into_runs_of_about_equal_bytes_covering_every_item_once() -
     two = split_reads(items, storage, 2)
     sizes = [sum(lengths[item.storage_index] for item in run) for run in two]
     assert sizes == [300, 210]  # the cut after the first run reaches half of 510 bytes
+
+
+def test_repeated_saves_of_one_tree_reuse_the_global_plan_and_a_changed_tree_replans(
+        single_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_zero.checkpoint import dcp_items
+
+    global_plans = []
+    original = dcp_items.FlatChunkSavePlanner._create_global_plan
+
+    def counted(self: dcp_items.FlatChunkSavePlanner, all_plans: list) -> object:
+        global_plans.append(len(all_plans))
+        return original(self, all_plans)
+
+    monkeypatch.setattr(dcp_items.FlatChunkSavePlanner, "_create_global_plan", counted)
+
+    def tree(value: float, extra: bool = False) -> dict:
+        state = {"w": FlatShard(torch.full((12,), value), (3, 4), 0, 1), "b": torch.full((2,), value)}
+        if extra:
+            state["c"] = torch.full((3,), value)
+        return state
+
+    def round_trip(name: str, state: dict) -> dict:
+        save(state, str(tmp_path / name), mode="sharded")
+        target = {key: FlatShard(torch.zeros(12), (3, 4), 0, 1) if key == "w" else torch.zeros_like(leaf)
+                  for key, leaf in state.items()}
+        load(target, str(tmp_path / name))
+        return target
+
+    first = round_trip("a", tree(1.0))
+    planned_once = len(global_plans)
+    second = round_trip("b", tree(2.0))  # same structure: DCP's cached global plan and metadata
+    assert len(global_plans) == planned_once
+    assert torch.equal(second["w"].local, torch.full((12,), 2.0)) and torch.equal(second["b"], torch.full((2,), 2.0))
+    assert torch.equal(first["w"].local, torch.full((12,), 1.0))
+    third = round_trip("c", tree(3.0, extra=True))  # another tree: planned again, and complete
+    assert len(global_plans) == planned_once + 1
+    assert torch.equal(third["c"], torch.full((3,), 3.0)) and torch.equal(third["w"].local, torch.full((12,), 3.0))
+
+
+def test_plan_caches_are_per_team_dedup_rule_and_dtypes() -> None:
+    from lightning_zero.checkpoint.dcp_items import cache_key
+
+    fp32 = {"w": FlatChunk(torch.zeros(3), 6, 0), "b": torch.zeros(2)}
+    bf16 = {"w": FlatChunk(torch.zeros(3, dtype=torch.bfloat16), 6, 0), "b": torch.zeros(2)}
+    keys = {cache_key((0, 1), False, fp32), cache_key((0, 1), True, fp32), cache_key((0, 1, 2, 3), False, fp32),
+            cache_key((2, 3), False, fp32), cache_key((0, 1), False, bf16)}
+    assert len(keys) == 5
+    assert cache_key((0, 1), False, fp32) == cache_key((0, 1), False, {"w": FlatChunk(torch.ones(3), 6, 0),
+                                                                       "b": torch.ones(2)})
+
+
+def test_a_save_in_another_dtype_records_its_own_dtype(single_rank_group: None, tmp_path: Path) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        path = tmp_path / str(dtype).split(".")[-1]
+        save({"w": FlatShard(torch.ones(12, dtype=dtype), (3, 4), 0, 1), "b": torch.ones(2, dtype=dtype)}, str(path),
+             mode="sharded")
+        (metadata_file,) = path.parent.glob(f"_zero_data/{path.name}/*/.metadata")
+        metadata = dcp.FileSystemReader(str(metadata_file.parent)).read_metadata()
+        assert metadata.state_dict_metadata["w"].properties.dtype == dtype
+        assert metadata.state_dict_metadata["b"].properties.dtype == dtype
+
+
+def test_at_three_ranks_the_second_save_of_a_tree_skips_the_global_plan_and_both_load(tmp_path: Path) -> None:
+    from _dist import run_distributed
+    from checkpoint_cases import repeated_sharded_saves
+
+    results = run_distributed(repeated_sharded_saves, 3, str(tmp_path), start_method="forkserver")
+    assert [same for _, same in results] == [True, True, True]
+    assert results[0][0] == 1  # the coordinator planned the first save only
+    assert [planned for planned, _ in results[1:]] == [0, 0]

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import math
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,12 +72,20 @@ class FlatChunk:
 class FlatChunkSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, for state dicts that hold :class:`FlatChunk` values.
 
-    ``spread_replicas``: see [Note: spread replicated writes]."""
+    ``spread_replicas``: see [Note: spread replicated writes]. ``team``: the global ranks the save
+    runs over; given, plans are cached per team ([Note: cached save plans])."""
 
-    def __init__(self, spread_replicas: bool = False) -> None:
-        super().__init__(dedup_save_to_lowest_rank=True)
+    def __init__(self, spread_replicas: bool = False, team: tuple[int, ...] | None = None) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=team is not None)
+        self.team = team
         self.spread_replicas = spread_replicas
         self.bytes_planned = 0
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if self.team is not None:
+            # DCP's caches are class attributes under this name; DCP reads it from the local plan on.
+            self._cached_plans_key = cache_key(self.team, self.spread_replicas, self.state_dict)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -92,8 +101,33 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         return spread_dedup(all_plans, {key for key, value in self.state_dict.items() if isinstance(value, FlatChunk)})
 
     def finish_plan(self, new_plan: Any) -> Any:
-        self.bytes_planned = sum(chunk_bytes(item) for item in new_plan.items)
-        return super().finish_plan(new_plan)
+        plan = super().finish_plan(new_plan)  # with a cache hit, the cached plan: new_plan is empty
+        self.bytes_planned = sum(chunk_bytes(item) for item in plan.items)
+        return plan
+
+
+def cache_key(team: tuple[int, ...], spread_replicas: bool, state_dict: dict[str, Any]) -> str:
+    """[Note: cached save plans] DCP's global save plan is the coordinator's work over every rank's
+    local plan: deduplication, validation and ``.metadata``, about 20 us per item of every rank
+    (``bench/scale.py``: seconds at hundreds of ranks, for every save), and each rank sends its plan
+    to the coordinator and gets its final plan back. Every save of one training run plans the same
+    tree, so DCP's ``enable_plan_caching`` applies: a rank whose local plan equals its previous one
+    sends an empty plan, and when no rank's changed the coordinator reuses its global plan and
+    ``.metadata`` and every rank its final plan. DCP keeps these caches in class attributes under
+    ``_cached_plans_key`` and merges new plans into the cached ones position by position, so the
+    key names the team's ranks (a save over another group or world size never meets this one's
+    plans), the dedup rule (which decides who writes a replicated chunk) and the tensors' dtypes
+    (DCP's plan comparison looks at names, offsets and sizes only, and a cached ``.metadata`` would
+    keep an old dtype). The cost: the coordinator keeps the last global plan in memory between saves."""
+    dtypes = zlib.crc32(repr(sorted((key, str(_dtype(value))) for key, value in state_dict.items())).encode())
+    rule = "spread" if spread_replicas else "lowest"
+    return f"{FlatChunkSavePlanner.__name__}:{','.join(map(str, team))}:{rule}:{dtypes:08x}"
+
+
+def _dtype(value: Any) -> Any:
+    if isinstance(value, FlatChunk):
+        return value.local.dtype
+    return getattr(value, "dtype", type(value).__name__)
 
 
 class FlatChunkLoadPlanner(DefaultLoadPlanner):

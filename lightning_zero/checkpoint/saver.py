@@ -145,6 +145,13 @@ class _Team:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The team's global ranks, in team order."""
+        if self.group is None:
+            return (0,)
+        return tuple(dist.get_process_group_ranks(self.group))
+
 
 def _team(process_group: Any = None, coordinator_rank: int | None = None) -> _Team:
     """(training thread) Validate the functional API's group arguments; the same on every rank."""
@@ -675,7 +682,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     try:
         # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
         # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
-        planner = FlatChunkSavePlanner(spread_replicas=_has_replicas(state))
+        planner = FlatChunkSavePlanner(spread_replicas=_has_replicas(state), team=team.global_ranks)
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
         dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
