@@ -17,9 +17,16 @@ growth in world size. Times are per step (forward, backward, ``ensure_flushed``,
 optimizer over the full parameters), alternating step by step with the engine's, medians of the
 timed steps and of the per-round difference, one thread.
 
-Not simulated: the save/load planning of a ``sharded`` checkpoint. DCP's planner gathers every
-rank's plan to the coordinator; with the fake group this rank would see only its own plan, so the
-coordinator's cost (the part that grows with world size) cannot be measured this way.
+Checkpoint planning (:func:`simulate_planning`): DCP plans a ``sharded`` save in three steps, each
+rank's local plan, the coordinator's global plan over every rank's local plan (deduplication,
+validation, ``.metadata``), and each rank's final plan; a load plans each rank's reads against
+``.metadata``. None of it needs a collective, so the simulation runs the real planners
+(:class:`~lightning_zero.checkpoint.dcp_items.FlatChunkSavePlanner`, DCP's file writer,
+:class:`~lightning_zero.checkpoint.dcp_items.FlatChunkLoadPlanner`) on the tree every rank hands DCP
+(fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every tensor as flat chunks, AdamW's ``step``
+counters as replicated scalars), one rank after the other in this process, and times the steps as
+one rank (the slowest: rank 0, also the coordinator) would run them. The bytes that DCP's gathers
+carry are measured as the pickles it sends.
 
 Usage::
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -49,6 +57,7 @@ from torch import Tensor, nn
 
 from lightning_zero import _collectives as comm
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.sharding import EvenShard
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 MIB = 1024 * 1024
@@ -202,7 +211,198 @@ def simulate(world_size: int, blocks: int, steps: int, bucket_size_mb: float | N
         dist.destroy_process_group()
 
 
-def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_size_mb: float | None) -> str:
+@dataclass
+class PlanResult:
+    world_size: int
+    tensors: int
+    items_per_rank: int
+    local_save_ms: float
+    """Rank 0's local save plan (its planner and DCP's file writer)."""
+    local_plan_bytes: int
+    """Rank 0's local plan as DCP pickles it for the gather to the coordinator."""
+    gathered_bytes: int
+    """Every rank's local plan: what the coordinator receives."""
+    global_save_ms: float
+    """The coordinator: global plan (deduplication, validation, metadata) and the writer's file names."""
+    metadata_bytes: int
+    """``.metadata`` with one storage record per written item, pickled."""
+    local_load_ms: float
+    """Rank 0's read plan against that ``.metadata``, loading at the same world size."""
+    reshard_load_ms: float
+    """The same, loading at half the world size (every target chunk overlaps two saved ones)."""
+    cached_local_save_ms: float
+    cached_global_save_ms: float
+    cached_gathered_bytes: int
+
+
+def rank_dcp_state(shapes: Sequence[tuple[str, tuple[int, ...]]], rank: int, world_size: int) -> dict[str, Any]:
+    """What ``rank`` hands DCP in a ``sharded`` save of this model (``saver._split_for_dcp``)."""
+    from lightning_zero.checkpoint import saver
+    from lightning_zero.checkpoint.tree import FlatShard
+
+    tree: dict[str, Any] = {}
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        tree[kind] = {name: FlatShard(torch.empty(EvenShard(math.prod(shape), world_size).shard_numel(rank)), shape,
+                                      rank, world_size) for name, shape in shapes}
+    tree["step"] = {name: torch.zeros(()) for name, _ in shapes}
+    tensors, _ = saver._split_for_dcp(tree)
+    return tensors
+
+
+@dataclass
+class PlannedSave:
+    shapes: list[tuple[str, tuple[int, ...]]]
+    plans: list[Any]
+    """Every rank's local plan, as the coordinator receives them."""
+    global_plans: list[Any]
+    metadata: Any
+    items_per_rank: int
+    local_save_ms: float
+    global_save_ms: float
+    cached_local_save_ms: float
+    """Rank 0's local plan at the next save of the same tree ([Note: cached save plans]): compared with
+    its cached one, an empty plan is sent."""
+    cached_global_save_ms: float
+    """The coordinator's global plan at that save, from every rank's empty plan."""
+    cached_gathered_bytes: int
+
+
+def plan_save(world_size: int, blocks: int) -> PlannedSave:
+    """DCP's save planning of every rank of a ``sharded`` save, run here one rank after the other."""
+    import tempfile
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_zero.checkpoint.dcp_items import FlatChunkSavePlanner
+
+    import pickle
+
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+    shapes = [(name, tuple(p.shape)) for name, p in NarrowLlama(blocks).named_parameters()]
+    team = tuple(range(world_size))  # as the saver passes it: plans cached per team
+    with tempfile.TemporaryDirectory() as directory:
+        writer = FileSystemWriter(directory)
+        plans = []
+        for rank in range(world_size):
+            state = rank_dcp_state(shapes, rank, world_size)
+            start = time.perf_counter()
+            planner = FlatChunkSavePlanner(team=team)
+            planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=rank == 0)
+            writer.set_up_storage_writer(rank == 0, rank=rank)
+            plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+            if rank == 0:
+                coordinator, local_save_ms = planner, (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        global_plans, metadata = coordinator.create_global_plan(plans)
+        global_plans = writer.prepare_global_plan(global_plans)
+        global_save_ms = (time.perf_counter() - start) * 1e3
+        # DCP's plan caches are class attributes, one entry per key: in this one process only rank 0
+        # may fill the local ones, as its own process would.
+        coordinator.finish_plan(global_plans[0])
+        # The next save of the same tree: rank 0 plans again; every other rank sends what its own
+        # cache makes it send, an empty plan.
+        state = rank_dcp_state(shapes, 0, world_size)
+        start = time.perf_counter()
+        again = FlatChunkSavePlanner(team=team)
+        again.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=True)
+        first = writer.prepare_local_plan(again.create_local_plan())
+        cached_local_save_ms = (time.perf_counter() - start) * 1e3
+        unchanged = [first] + [SavePlan([], usable=False) for _ in range(world_size - 1)]
+        start = time.perf_counter()
+        writer.prepare_global_plan(again.create_global_plan(unchanged)[0])
+        cached_global_save_ms = (time.perf_counter() - start) * 1e3
+        assert again.finish_plan(SavePlan([], usable=False)).items == global_plans[0].items, "cache missed"
+        cached_gathered_bytes = sum(len(pickle.dumps(plan)) for plan in unchanged)
+    key = coordinator._cached_plans_key
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+        cache.pop(key, None)  # the next simulated world has other plans: free these
+    return PlannedSave(shapes, plans, global_plans, metadata, len(coordinator.state_dict), local_save_ms,
+                       global_save_ms, cached_local_save_ms, cached_global_save_ms, cached_gathered_bytes)
+
+
+def simulate_planning(world_size: int, blocks: int) -> PlanResult:
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from lightning_zero.checkpoint.dcp_items import FlatChunkLoadPlanner, chunk_bytes
+
+    planned = plan_save(world_size, blocks)
+    local_plan_bytes = len(pickle.dumps(planned.plans[0]))
+    gathered_bytes = sum(len(pickle.dumps(plan)) for plan in planned.plans)
+    # What the writers' results add to .metadata: one storage record per written item.
+    storage = {}
+    for rank, plan in enumerate(planned.global_plans):
+        offset = 0
+        for item in plan.items:
+            length = chunk_bytes(item)
+            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", offset, length)
+            offset += length
+    metadata = Metadata(state_dict_metadata=planned.metadata.state_dict_metadata,
+                        planner_data=planned.metadata.planner_data, storage_data=storage)
+    metadata_bytes = len(pickle.dumps(metadata))
+
+    def load_plan_ms(load_world_size: int) -> float:
+        state = rank_dcp_state(planned.shapes, 0, load_world_size)
+        start = time.perf_counter()
+        planner = FlatChunkLoadPlanner()
+        planner.set_up_planner(state, metadata, is_coordinator=True)
+        planner.create_local_plan()
+        return (time.perf_counter() - start) * 1e3
+
+    return PlanResult(world_size=world_size, tensors=len(planned.shapes), items_per_rank=planned.items_per_rank,
+                      local_save_ms=planned.local_save_ms, local_plan_bytes=local_plan_bytes,
+                      gathered_bytes=gathered_bytes, global_save_ms=planned.global_save_ms,
+                      metadata_bytes=metadata_bytes, local_load_ms=load_plan_ms(world_size),
+                      reshard_load_ms=load_plan_ms(max(1, world_size // 2)),
+                      cached_local_save_ms=planned.cached_local_save_ms,
+                      cached_global_save_ms=planned.cached_global_save_ms,
+                      cached_gathered_bytes=planned.cached_gathered_bytes)
+
+
+def planning_report(results: list[PlanResult]) -> list[str]:
+    lines = [
+        "Planning a `sharded` checkpoint (`simulate_planning`: the real planners, every rank's plan built in"
+        " this process; times as rank 0, which is also the coordinator, would spend them):",
+        "",
+        "| world size | tensors | DCP items per rank | rank's local save plan ms | its plan, pickled KB |"
+        " coordinator receives MB | coordinator's global plan ms | `.metadata` MB | next save (cached):"
+        " local ms | next save: global ms | next save: coordinator receives KB | rank's load plan ms |"
+        " load plan at ws/2 (reshard) ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(f"| {r.world_size} | {r.tensors} | {r.items_per_rank} | {r.local_save_ms:.1f} |"
+                     f" {r.local_plan_bytes / 1024:.0f} | {r.gathered_bytes / 1e6:.1f} | {r.global_save_ms:.0f} |"
+                     f" {r.metadata_bytes / 1e6:.1f} | {r.cached_local_save_ms:.1f} | {r.cached_global_save_ms:.2f} |"
+                     f" {r.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |")
+    by_tensors: dict[int, list[PlanResult]] = {}
+    for r in results:
+        by_tensors.setdefault(r.tensors, []).append(r)
+    lines.append("")
+    for tensors, rows in sorted(by_tensors.items()):
+        first, last = rows[0], rows[-1]
+        if first is last:
+            continue
+        grow = last.world_size / first.world_size
+        lines.append(
+            f"- {tensors} tensors, {first.world_size} -> {last.world_size} ranks ({grow:.0f}x): a rank's local"
+            f" save plan {last.local_save_ms / first.local_save_ms:.2f}x; the coordinator's global plan"
+            f" {last.global_save_ms / first.global_save_ms:.0f}x and what it receives"
+            f" {last.gathered_bytes / first.gathered_bytes:.0f}x; `.metadata`"
+            f" {last.metadata_bytes / first.metadata_bytes:.0f}x; a rank's load plan"
+            f" {last.local_load_ms / first.local_load_ms:.1f}x (per saved chunk of every tensor:"
+            f" {last.local_load_ms * 1e3 / (last.items_per_rank * last.world_size):.2f} us at {last.world_size},"
+            f" {first.local_load_ms * 1e3 / (first.items_per_rank * first.world_size):.2f} us at {first.world_size})."
+        )
+    return lines
+
+
+def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_size_mb: float | None,
+           plans: Sequence[PlanResult] = ()) -> str:
     lines = [
         f"Command: `{command}`  ",
         f"Machine: {describe_machine().replace('backend gloo on 127.0.0.1', 'backend fake (one process)')}."
@@ -225,6 +425,8 @@ def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_si
             f"| {1 + r.tensors / (r.numel / r.world_size):.4f} |"
         )
     lines += ["", *growth_lines(results)]
+    if plans:
+        lines += ["", *planning_report(plans)]
     return "\n".join(lines)
 
 
@@ -259,6 +461,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 15)")
     parser.add_argument("--bucket-size-mb", type=float, default=None, help="default: scale with the world size")
+    parser.add_argument("--no-planning", action="store_true", help="skip the checkpoint planning simulation")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "scale.md")
     args = parser.parse_args(argv)
     if args.world_sizes is None:
@@ -282,7 +485,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             r = results[-1]
             print(f"  ws={ws} blocks={blocks}: engine {r.engine_step_ms:.1f} ms, plain {r.plain_step_ms:.1f} ms",
                   flush=True)
-    text = report(results, command, time.perf_counter() - start, args.bucket_size_mb)
+    plans = []
+    if not args.no_planning:
+        for blocks in args.blocks:
+            for ws in args.world_sizes:
+                plans.append(simulate_planning(ws, blocks))
+                p = plans[-1]
+                print(f"  planning ws={ws} blocks={blocks}: global save plan {p.global_save_ms:.0f} ms,"
+                      f" load plan {p.local_load_ms:.1f} ms", flush=True)
+    text = report(results, command, time.perf_counter() - start, args.bucket_size_mb, plans)
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
