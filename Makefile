@@ -35,6 +35,7 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/trainer_checkpoint.py
+	$(PY) bench/write_loop.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -269,15 +269,13 @@ class PlannedSave:
 
 def plan_save(world_size: int, blocks: int) -> PlannedSave:
     """DCP's save planning of every rank of a ``sharded`` save, run here one rank after the other."""
+    import pickle
     import tempfile
 
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
     from lightning_zero.checkpoint.dcp_items import FlatChunkSavePlanner
-
-    import pickle
-
-    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
     shapes = [(name, tuple(p.shape)) for name, p in NarrowLlama(blocks).named_parameters()]
     team = tuple(range(world_size))  # as the saver passes it: plans cached per team
