@@ -273,19 +273,27 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
     import tempfile
 
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
 
-    from lightning_zero.checkpoint.dcp_items import FlatChunkSavePlanner
+    from lightning_zero.checkpoint.dcp_items import (
+        FlatChunkSavePlanner,
+        forget_plans,
+        plan_cache_key,
+        tree_signature,
+    )
 
     shapes = [(name, tuple(p.shape)) for name, p in NarrowLlama(blocks).named_parameters()]
-    team = tuple(range(world_size))  # as the saver passes it: plans cached per team
+    # As the saver makes it: the team, the dedup rule and every rank's tree (the same names and
+    # dtypes on every rank here).
+    key = plan_cache_key(tuple(range(world_size)), False,
+                         [tree_signature(rank_dcp_state(shapes, 0, world_size))] * world_size)
     with tempfile.TemporaryDirectory() as directory:
         writer = FileSystemWriter(directory)
         plans = []
         for rank in range(world_size):
             state = rank_dcp_state(shapes, rank, world_size)
             start = time.perf_counter()
-            planner = FlatChunkSavePlanner(team=team)
+            planner = FlatChunkSavePlanner(cache_key=key)
             planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=rank == 0)
             writer.set_up_storage_writer(rank == 0, rank=rank)
             plans.append(writer.prepare_local_plan(planner.create_local_plan()))
@@ -302,7 +310,7 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
         # cache makes it send, an empty plan.
         state = rank_dcp_state(shapes, 0, world_size)
         start = time.perf_counter()
-        again = FlatChunkSavePlanner(team=team)
+        again = FlatChunkSavePlanner(cache_key=key)
         again.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=True)
         first = writer.prepare_local_plan(again.create_local_plan())
         cached_local_save_ms = (time.perf_counter() - start) * 1e3
@@ -312,10 +320,7 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
         cached_global_save_ms = (time.perf_counter() - start) * 1e3
         assert again.finish_plan(SavePlan([], usable=False)).items == global_plans[0].items, "cache missed"
         cached_gathered_bytes = sum(len(pickle.dumps(plan)) for plan in unchanged)
-    key = coordinator._cached_plans_key
-    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
-                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
-        cache.pop(key, None)  # the next simulated world has other plans: free these
+    forget_plans(key)  # the next simulated world has other plans: free these
     return PlannedSave(shapes, plans, global_plans, metadata, len(coordinator.state_dict), local_save_ms,
                        global_save_ms, cached_local_save_ms, cached_global_save_ms, cached_gathered_bytes)
 

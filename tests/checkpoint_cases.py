@@ -413,3 +413,25 @@ def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, 
     finally:
         dcp_items.FlatChunkSavePlanner._create_global_plan = original  # type: ignore[method-assign]
     return len(planned), same
+
+
+def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
+    """Functional-API saves whose trees differ by rank (a tensor of its own on each rank); between the
+    two saves only rank 1's own tensor changes dtype. Returns the dtypes ``.metadata`` records for
+    ``own1`` in each save. [Note: cached save plans]"""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_zero.checkpoint.tree import FlatShard
+    from lightning_zero.sharding import EvenShard
+
+    layout = EvenShard(10, world_size)
+    dtypes = []
+    for name, own_dtype in (("a", torch.float32), ("b", torch.bfloat16)):
+        state = {"w": FlatShard(torch.arange(10.0)[layout.local_slice(rank)].clone(), (10,), rank, world_size),
+                 f"own{rank}": torch.ones(3, dtype=own_dtype if rank == 1 else torch.float32)}
+        save(state, f"{root}/{name}", mode="sharded")
+        dist.barrier()
+        (metadata_dir,) = [p.parent for p in Path(root).glob(f"_zero_data/{name}/*/.metadata")]
+        dtypes.append(str(dcp.FileSystemReader(str(metadata_dir)).read_metadata().state_dict_metadata["own1"]
+                          .properties.dtype))
+    return dtypes

@@ -106,16 +106,26 @@ def test_repeated_saves_of_one_tree_reuse_the_global_plan_and_a_changed_tree_rep
     assert torch.equal(third["c"], torch.full((3,), 3.0)) and torch.equal(third["w"].local, torch.full((12,), 3.0))
 
 
-def test_plan_caches_are_per_team_dedup_rule_and_dtypes() -> None:
-    from lightning_zero.checkpoint.dcp_items import cache_key
+def test_plan_cache_keys_differ_per_team_dedup_rule_and_any_rank_s_dtypes() -> None:
+    from lightning_zero.checkpoint.dcp_items import plan_cache_key, tree_signature
 
-    fp32 = {"w": FlatChunk(torch.zeros(3), 6, 0), "b": torch.zeros(2)}
-    bf16 = {"w": FlatChunk(torch.zeros(3, dtype=torch.bfloat16), 6, 0), "b": torch.zeros(2)}
-    keys = {cache_key((0, 1), False, fp32), cache_key((0, 1), True, fp32), cache_key((0, 1, 2, 3), False, fp32),
-            cache_key((2, 3), False, fp32), cache_key((0, 1), False, bf16)}
-    assert len(keys) == 5
-    assert cache_key((0, 1), False, fp32) == cache_key((0, 1), False, {"w": FlatChunk(torch.ones(3), 6, 0),
-                                                                       "b": torch.ones(2)})
+    fp32 = tree_signature({"w": FlatChunk(torch.zeros(3), 6, 0), "b": torch.zeros(2)})
+    bf16 = tree_signature({"w": FlatChunk(torch.zeros(3, dtype=torch.bfloat16), 6, 0), "b": torch.zeros(2)})
+    assert fp32 == tree_signature({"w": FlatChunk(torch.ones(3), 6, 0), "b": torch.ones(2)})  # values do not count
+    keys = {plan_cache_key((0, 1), False, [fp32, fp32]), plan_cache_key((0, 1), True, [fp32, fp32]),
+            plan_cache_key((2, 3), False, [fp32, fp32]), plan_cache_key((0, 1), False, [fp32, bf16])}
+    assert len(keys) == 4
+
+
+def test_a_new_key_drops_the_team_s_previous_plans() -> None:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from lightning_zero.checkpoint.dcp_items import plan_cache_key
+
+    old = plan_cache_key((5, 6), False, [1, 1])
+    SavePlanner._cached_metadata[old] = "cached"
+    plan_cache_key((5, 6), False, [1, 2])  # one rank's tree changed
+    assert old not in SavePlanner._cached_metadata
 
 
 def test_a_save_in_another_dtype_records_its_own_dtype(single_rank_group: None, tmp_path: Path) -> None:
@@ -137,3 +147,12 @@ def test_at_three_ranks_the_second_save_of_a_tree_skips_the_global_plan_and_both
     assert [same for _, same in results] == [True, True, True]
     assert results[0][0] == 1  # the coordinator planned the first save only
     assert [planned for planned, _ in results[1:]] == [0, 0]
+
+
+def test_a_tree_that_changed_on_one_rank_only_is_planned_afresh_by_every_rank(tmp_path: Path) -> None:
+    # With a key computed per rank, rank 1 alone missed its cache and DCP failed this save and every later one.
+    from _dist import run_distributed
+    from checkpoint_cases import asymmetric_tree_saves
+
+    results = run_distributed(asymmetric_tree_saves, 2, str(tmp_path), start_method="forkserver")
+    assert results == [["torch.float32", "torch.bfloat16"]] * 2

@@ -103,3 +103,23 @@ def test_a_failed_writeback_request_leaves_the_save_to_the_fsync(tmp_path: Path,
     target = big_state(0.0)
     load(target, str(path))
     assert torch.equal(target["w"].local, big_state(2.5)["w"].local)
+
+
+def test_taking_the_descriptor_to_fsync_flushes_python_s_buffer_first(tmp_path: Path) -> None:
+    # DCP fsyncs `stream.fileno()` before it closes the file: the tail must be in the kernel by then.
+    path = tmp_path / "small.bin"
+    with open(path, "wb") as f:
+        stream = storage.WritebackStream(f)
+        stream.write(b"x" * 100)
+        assert path.stat().st_size == 0  # still in Python's buffer
+        stream.fileno()
+        assert path.stat().st_size == 100
+
+
+def test_offsets_count_from_where_the_file_was_when_wrapped(tmp_path: Path, recorder: Recorder) -> None:
+    path = tmp_path / "appended.bin"
+    with open(path, "wb") as f:
+        f.write(b"h" * 1000)
+        stream = storage.WritebackStream(f, every=MIB)
+        stream.write(b"d" * (2 * MIB))
+    assert recorder.calls[0][1] == 1000 and recorder.calls[0][2] == 2 * MIB

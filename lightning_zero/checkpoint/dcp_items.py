@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -72,20 +73,15 @@ class FlatChunk:
 class FlatChunkSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, for state dicts that hold :class:`FlatChunk` values.
 
-    ``spread_replicas``: see [Note: spread replicated writes]. ``team``: the global ranks the save
-    runs over; given, plans are cached per team ([Note: cached save plans])."""
+    ``spread_replicas``: see [Note: spread replicated writes]. ``cache_key``: given, DCP's plans are
+    cached under it ([Note: cached save plans]; the same key on every rank, see :func:`plan_cache_key`)."""
 
-    def __init__(self, spread_replicas: bool = False, team: tuple[int, ...] | None = None) -> None:
-        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=team is not None)
-        self.team = team
+    def __init__(self, spread_replicas: bool = False, cache_key: str | None = None) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=cache_key is not None)
+        if cache_key is not None:
+            self._cached_plans_key = cache_key  # DCP's caches are class attributes under this name
         self.spread_replicas = spread_replicas
         self.bytes_planned = 0
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        if self.team is not None:
-            # DCP's caches are class attributes under this name; DCP reads it from the local plan on.
-            self._cached_plans_key = cache_key(self.team, self.spread_replicas, self.state_dict)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -106,28 +102,59 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         return plan
 
 
-def cache_key(team: tuple[int, ...], spread_replicas: bool, state_dict: dict[str, Any]) -> str:
+def tree_signature(tensors: dict[str, Any]) -> int:
+    """CRC32 of the names and dtypes of what one rank hands DCP (FlatChunks, flat shards, tensors)."""
+    return zlib.crc32(repr(sorted((key, str(_dtype(value))) for key, value in tensors.items())).encode())
+
+
+def _dtype(value: Any) -> Any:
+    if isinstance(value, (FlatChunk, FlatShard)):
+        return value.local.dtype
+    return getattr(value, "dtype", type(value).__name__)
+
+
+_TEAM_KEYS: dict[str, str] = {}
+"""The key of the plans cached for each team and dedup rule: older ones are dropped."""
+
+
+def plan_cache_key(team: tuple[int, ...], spread_replicas: bool, signatures: Sequence[int]) -> str:
     """[Note: cached save plans] DCP's global save plan is the coordinator's work over every rank's
     local plan: deduplication, validation and ``.metadata``, about 20 us per item of every rank
     (``bench/scale.py``: seconds at hundreds of ranks, for every save), and each rank sends its plan
     to the coordinator and gets its final plan back. Every save of one training run plans the same
     tree, so DCP's ``enable_plan_caching`` applies: a rank whose local plan equals its previous one
     sends an empty plan, and when no rank's changed the coordinator reuses its global plan and
-    ``.metadata`` and every rank its final plan. DCP keeps these caches in class attributes under
-    ``_cached_plans_key`` and merges new plans into the cached ones position by position, so the
-    key names the team's ranks (a save over another group or world size never meets this one's
-    plans), the dedup rule (which decides who writes a replicated chunk) and the tensors' dtypes
-    (DCP's plan comparison looks at names, offsets and sizes only, and a cached ``.metadata`` would
-    keep an old dtype). The cost: the coordinator keeps the last global plan in memory between saves."""
-    dtypes = zlib.crc32(repr(sorted((key, str(_dtype(value))) for key, value in state_dict.items())).encode())
+    ``.metadata`` and every rank its final plan.
+
+    DCP keeps these caches in class attributes under ``_cached_plans_key``, merges new plans into
+    the cached ones position by position, and assumes every rank's caches change together: a key
+    that changed on one rank only fails that save and every later one (a rank asked to reuse a plan
+    it never cached, a coordinator given empty plans it has no copy of). So the key is the same on
+    every rank by construction. It names the team's ranks (a save over another group or world size
+    never meets this one's plans), the dedup rule (which decides who writes a replicated chunk) and
+    ``signatures``, every rank's :func:`tree_signature` as exchanged before the save: DCP's plan
+    comparison looks at names, offsets and sizes only, and a cached ``.metadata`` would keep an old
+    dtype. A save that fails drops its plans on every rank (:func:`forget_plans`), so the next one
+    plans afresh. The cost: between saves the coordinator keeps what DCP caches, every rank's last
+    local plan, the global plan and ``.metadata``, once per team (a new key drops the team's
+    previous one): about 1.2M plan items at 1024 ranks of a 291-tensor model."""
     rule = "spread" if spread_replicas else "lowest"
-    return f"{FlatChunkSavePlanner.__name__}:{','.join(map(str, team))}:{rule}:{dtypes:08x}"
+    team_part = f"{FlatChunkSavePlanner.__name__}:{','.join(map(str, team))}:{rule}"
+    key = f"{team_part}:{zlib.crc32(repr(list(signatures)).encode()):08x}"
+    previous = _TEAM_KEYS.get(team_part)
+    if previous is not None and previous != key:
+        forget_plans(previous)
+    _TEAM_KEYS[team_part] = key
+    return key
 
 
-def _dtype(value: Any) -> Any:
-    if isinstance(value, FlatChunk):
-        return value.local.dtype
-    return getattr(value, "dtype", type(value).__name__)
+def forget_plans(key: str) -> None:
+    """Drop what DCP cached under ``key`` on this rank (local, global and final plans, metadata)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+        cache.pop(key, None)
 
 
 class FlatChunkLoadPlanner(DefaultLoadPlanner):

@@ -46,8 +46,11 @@ from lightning_zero.checkpoint.dcp_items import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,
+    forget_plans,
     parallel_reads,
+    plan_cache_key,
     read_threads,
+    tree_signature,
 )
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.staging import Stager, ready_event
@@ -480,11 +483,13 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, sta
     staging_done = time.perf_counter()
     if error is None:
         error = _preflight(loc, mode, rank)
-    # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go on.
+    # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go
+    # on and, for a sharded save, what its tree is ([Note: cached save plans]).
     proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == coordinator else None
-    gathered = _all_gather_objects((proposal, error), group)
+    signature = _tree_signature(state) if mode == "sharded" and error is None else None
+    gathered = _all_gather_objects((proposal, error, signature), group)
     version_dir, save_id = gathered[coordinator][0]
-    errors = [e for _, e in gathered if e]
+    errors = [e for _, e, _ in gathered if e]
     if errors:
         raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
                                   " checkpoint is intact. " + "; ".join(errors))
@@ -494,7 +499,7 @@ def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: _Team, sta
         if mode == "local":
             _write_local(state, loc, version_dir, rank, world_size, save_id)
         elif mode == "sharded":
-            planned_bytes = _write_sharded(state, loc, version_dir, team, save_id)
+            planned_bytes = _write_sharded(state, loc, version_dir, team, save_id, [sig for _, _, sig in gathered])
         else:
             _write_full(state, loc, rank, group, save_id)
     except Exception as exc:  # reported to every rank below, raised at the next finalize
@@ -664,10 +669,16 @@ def _write_local(state: Any, loc: Location, version_dir: str, rank: int, world_s
     _torch_save_to(loc, _rank_file(version_dir, rank, world_size), encoded)
 
 
-def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str) -> int:
+def _tree_signature(state: Any) -> int:
+    return tree_signature({"/".join(path): leaf for path, leaf in _tensor_leaves(state)})
+
+
+def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, save_id: str,
+                   signatures: list[int]) -> int:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
-    every tensor (flat shards hide it from DCP's metadata)."""
+    every tensor (flat shards hide it from DCP's metadata). ``signatures``: every rank's
+    :func:`_tree_signature`, the same list on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -679,15 +690,20 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
         writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
                                                             **_fs_options(loc))
         _same_retries(writer, loc)
+    # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
+    # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
+    spread = _has_replicas(state)
+    cache_key = plan_cache_key(team.global_ranks, spread, signatures)
+    planner = FlatChunkSavePlanner(spread_replicas=spread, cache_key=cache_key)
     try:
-        # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
-        # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
-        planner = FlatChunkSavePlanner(spread_replicas=_has_replicas(state), team=team.global_ranks)
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
         dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
-    except CheckpointException as exc:
-        raise _dcp_failure(exc) from exc
+    except BaseException as exc:
+        forget_plans(cache_key)  # DCP fails every rank together: all of them plan the next save afresh
+        if isinstance(exc, CheckpointException):
+            raise _dcp_failure(exc) from exc
+        raise
     if team.is_coordinator:
         shapes = {path: list(leaf.shape) for path, leaf in _tensor_leaves(state)}
         objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
