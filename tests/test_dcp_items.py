@@ -156,3 +156,19 @@ def test_a_tree_that_changed_on_one_rank_only_is_planned_afresh_by_every_rank(tm
 
     results = run_distributed(asymmetric_tree_saves, 2, str(tmp_path), start_method="forkserver")
     assert results == [["torch.float32", "torch.bfloat16"]] * 2
+
+
+def test_a_load_reads_and_unpickles_metadata_once(single_rank_group: None, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The load checks .metadata (save id, keys) before DCP reads it again: one read serves both.
+    from lightning_zero.checkpoint import integrity
+
+    path = str(tmp_path / "c.ckpt")
+    save({"w": FlatShard(torch.arange(12.0), (3, 4), 0, 1), "b": torch.full((2,), 7.0)}, path, mode="sharded")
+    reads = []
+    original = integrity._MetadataUnpickler.load
+    monkeypatch.setattr(integrity._MetadataUnpickler, "load", lambda self: reads.append(1) or original(self))
+    target = {"w": FlatShard(torch.zeros(12), (3, 4), 0, 1), "b": torch.zeros(2)}
+    load(target, path)
+    assert torch.equal(target["w"].local, torch.arange(12.0)) and torch.equal(target["b"], torch.full((2,), 7.0))
+    assert len(reads) == 1

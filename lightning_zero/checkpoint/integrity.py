@@ -365,18 +365,24 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as stream:
-                raw = stream.read()
-            try:
-                metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-            except Exception as exc:
-                raise CheckpointCorruptError(
-                    f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc}); the"
-                    " file is damaged or was crafted. Resume from another checkpoint."
-                ) from exc
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            # Read once per reader: the load checks it (save id, keys) before DCP asks for it again,
+            # and at 1024 ranks it is ~110 MB that every rank reads (bench/scale.py).
+            cache: dict[str, Any] = self.__dict__.setdefault("_metadata_read", {})
+            metadata = cache.get(str(path))
+            if metadata is None:
+                with self.fs.create_stream(path, "rb") as stream:
+                    raw = stream.read()
+                try:
+                    metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+                except Exception as exc:
+                    raise CheckpointCorruptError(
+                        f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc});"
+                        " the file is damaged or was crafted. Resume from another checkpoint."
+                    ) from exc
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                cache[str(path)] = metadata
+            metadata.storage_meta.load_id = self.load_id  # DCP's reset() gives every load its own
             return metadata
 
         def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
