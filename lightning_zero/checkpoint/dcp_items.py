@@ -113,10 +113,6 @@ def _dtype(value: Any) -> Any:
     return getattr(value, "dtype", type(value).__name__)
 
 
-_TEAM_KEYS: dict[str, str] = {}
-"""The key of the plans cached for each team and dedup rule: older ones are dropped."""
-
-
 def plan_cache_key(team: tuple[int, ...], spread_replicas: bool, signatures: Sequence[int]) -> str:
     """[Note: cached save plans] DCP's global save plan is the coordinator's work over every rank's
     local plan: deduplication, validation and ``.metadata``, about 20 us per item of every rank
@@ -136,25 +132,34 @@ def plan_cache_key(team: tuple[int, ...], spread_replicas: bool, signatures: Seq
     comparison looks at names, offsets and sizes only, and a cached ``.metadata`` would keep an old
     dtype. A save that fails drops its plans on every rank (:func:`forget_plans`), so the next one
     plans afresh. The cost: between saves the coordinator keeps what DCP caches, every rank's last
-    local plan, the global plan and ``.metadata``, once per team (a new key drops the team's
-    previous one): about 1.2M plan items at 1024 ranks of a 291-tensor model."""
+    local plan, the global plan and ``.metadata``, once per team (:func:`forget_other_plans` drops
+    the team's plans of other trees): about 1.2M plan items at 1024 ranks of a 291-tensor model."""
     rule = "spread" if spread_replicas else "lowest"
-    team_part = f"{FlatChunkSavePlanner.__name__}:{','.join(map(str, team))}:{rule}"
-    key = f"{team_part}:{zlib.crc32(repr(list(signatures)).encode()):08x}"
-    previous = _TEAM_KEYS.get(team_part)
-    if previous is not None and previous != key:
-        forget_plans(previous)
-    _TEAM_KEYS[team_part] = key
-    return key
+    team_part = f"{FlatChunkSavePlanner.__name__}:{','.join(map(str, team))}:{rule}"  # forget_other_plans splits here
+    return f"{team_part}:{zlib.crc32(repr(list(signatures)).encode()):08x}"
+
+
+def _dcp_plan_caches() -> tuple[dict[str, Any], ...]:
+    """DCP's class-level save-plan caches: local, all local, global and final plans, metadata."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    return (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+            SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan)
 
 
 def forget_plans(key: str) -> None:
-    """Drop what DCP cached under ``key`` on this rank (local, global and final plans, metadata)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
-                  SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):
+    """Drop what DCP cached under ``key`` on this rank."""
+    for cache in _dcp_plan_caches():
         cache.pop(key, None)
+
+
+def forget_other_plans(key: str) -> None:
+    """Drop what DCP cached on this rank for ``key``'s team and dedup rule under any other key (plans
+    of a tree this team no longer saves)."""
+    team_part = key.rsplit(":", 1)[0]
+    for cache in _dcp_plan_caches():
+        for stale in [k for k in cache if k != key and k.rsplit(":", 1)[0] == team_part]:
+            del cache[stale]
 
 
 class FlatChunkLoadPlanner(DefaultLoadPlanner):

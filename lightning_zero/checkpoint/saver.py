@@ -46,6 +46,7 @@ from lightning_zero.checkpoint.dcp_items import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,
+    forget_other_plans,
     forget_plans,
     parallel_reads,
     plan_cache_key,
@@ -694,6 +695,7 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
     spread = _has_replicas(state)
     cache_key = plan_cache_key(team.global_ranks, spread, signatures)
+    forget_other_plans(cache_key)
     planner = FlatChunkSavePlanner(spread_replicas=spread, cache_key=cache_key)
     try:
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
