@@ -238,7 +238,6 @@ class _ChecksummingFileSystem:
         self._inner = inner
         self.segments: dict[str, dict[tuple[int, int], Any]] = {}
         self.errors: list[BaseException] = []
-        self.own_crc = True
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -248,7 +247,8 @@ class _ChecksummingFileSystem:
                 return
             segments: dict[tuple[int, int], Any] = {}
             self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = segments
-            yield _ChecksummingStream(stream, segments, self.errors, self.own_crc)
+            # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
+            yield _ChecksummingStream(stream, segments, self.errors, own_crc=not torch.serialization.get_crc32_options())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -272,7 +272,6 @@ def checksumming_writer(base: type, save_id: str) -> type:
                 return super().write_data(plan, planner)
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)
-            self.fs.own_crc = not torch.serialization.get_crc32_options()
             try:
                 future = super().write_data(plan, planner)
             except Exception as exc:
@@ -320,13 +319,15 @@ def _item_intact(data: bytes, expected: Any) -> bool:
 
 
 def _zip_item_intact(data: bytes, digest: int) -> bool:
-    """Whether the directory of the ``torch.save`` zip ``data`` is the one that was written
-    (``digest``: every byte of it, so no field torch reads can change) and every record has the
-    CRC32 the directory gives."""
+    """Whether the directory of the ``torch.save`` zip ``data`` is the one that was written (the
+    writer's :func:`_directory_digest`: every byte of it, so no field torch reads can change) and
+    every record has the CRC32 the directory gives."""
+    if _directory_digest(data) != (ZIP_RECORDS, digest):
+        return False
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return zlib.crc32(data[archive.start_dir:]) == digest and archive.testzip() is None
-    except Exception:  # noqa: BLE001 - a damaged header or directory, whatever zipfile makes of it
+            return archive.testzip() is None
+    except Exception:  # noqa: BLE001 - a damaged record, whatever zipfile makes of it
         return False
 
 
@@ -361,14 +362,17 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
     class VerifyingReader(base):  # type: ignore[misc, valid-type]
         _items: dict[tuple[str, int], str]
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._metadata_read: dict[str, Any] = {}  # path -> what read_metadata unpickled there
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             path = self._get_metadata_path(kwargs.get("rank"))
             # Read once per reader: the load checks it (save id, keys) before DCP asks for it again,
             # and at 1024 ranks it is ~110 MB that every rank reads (bench/scale.py).
-            cache: dict[str, Any] = self.__dict__.setdefault("_metadata_read", {})
-            metadata = cache.get(str(path))
+            metadata = self._metadata_read.get(str(path))
             if metadata is None:
                 with self.fs.create_stream(path, "rb") as stream:
                     raw = stream.read()
@@ -381,7 +385,7 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
                     ) from exc
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
-                cache[str(path)] = metadata
+                self._metadata_read[str(path)] = metadata
             metadata.storage_meta.load_id = self.load_id  # DCP's reset() gives every load its own
             return metadata
 
