@@ -212,27 +212,37 @@ def simulate(world_size: int, blocks: int, steps: int, bucket_size_mb: float | N
 
 
 @dataclass
-class PlanResult:
-    world_size: int
-    tensors: int
+class SavePlanTimes:
+    """What a ``sharded`` save's planning costs rank 0, which is also the coordinator."""
+
     items_per_rank: int
     local_save_ms: float
     """Rank 0's local save plan (its planner and DCP's file writer)."""
+    global_save_ms: float
+    """The coordinator: global plan (deduplication, validation, metadata) and the writer's file names."""
+    cached_local_save_ms: float
+    """Rank 0's local plan at the next save of the same tree ([Note: cached save plans]): compared with
+    its cached one, an empty plan is sent."""
+    cached_global_save_ms: float
+    """The coordinator's global plan at that save, from every rank's empty plan."""
+    cached_gathered_bytes: int
+
+
+@dataclass
+class PlanResult:
+    world_size: int
+    tensors: int
+    save: SavePlanTimes
     local_plan_bytes: int
     """Rank 0's local plan as DCP pickles it for the gather to the coordinator."""
     gathered_bytes: int
     """Every rank's local plan: what the coordinator receives."""
-    global_save_ms: float
-    """The coordinator: global plan (deduplication, validation, metadata) and the writer's file names."""
     metadata_bytes: int
     """``.metadata`` with one storage record per written item, pickled."""
     local_load_ms: float
     """Rank 0's read plan against that ``.metadata``, loading at the same world size."""
     reshard_load_ms: float
     """The same, loading at half the world size (every target chunk overlaps two saved ones)."""
-    cached_local_save_ms: float
-    cached_global_save_ms: float
-    cached_gathered_bytes: int
 
 
 def rank_dcp_state(shapes: Sequence[tuple[str, tuple[int, ...]]], rank: int, world_size: int) -> dict[str, Any]:
@@ -256,15 +266,7 @@ class PlannedSave:
     """Every rank's local plan, as the coordinator receives them."""
     global_plans: list[Any]
     metadata: Any
-    items_per_rank: int
-    local_save_ms: float
-    global_save_ms: float
-    cached_local_save_ms: float
-    """Rank 0's local plan at the next save of the same tree ([Note: cached save plans]): compared with
-    its cached one, an empty plan is sent."""
-    cached_global_save_ms: float
-    """The coordinator's global plan at that save, from every rank's empty plan."""
-    cached_gathered_bytes: int
+    times: SavePlanTimes
 
 
 def plan_save(world_size: int, blocks: int) -> PlannedSave:
@@ -321,8 +323,9 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
         assert again.finish_plan(SavePlan([], usable=False)).items == global_plans[0].items, "cache missed"
         cached_gathered_bytes = sum(len(pickle.dumps(plan)) for plan in unchanged)
     forget_plans(key)  # the next simulated world has other plans: free these
-    return PlannedSave(shapes, plans, global_plans, metadata, len(coordinator.state_dict), local_save_ms,
-                       global_save_ms, cached_local_save_ms, cached_global_save_ms, cached_gathered_bytes)
+    return PlannedSave(shapes, plans, global_plans, metadata,
+                       SavePlanTimes(len(coordinator.state_dict), local_save_ms, global_save_ms, cached_local_save_ms,
+                                     cached_global_save_ms, cached_gathered_bytes))
 
 
 def simulate_planning(world_size: int, blocks: int) -> PlanResult:
@@ -356,14 +359,9 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
         planner.create_local_plan()
         return (time.perf_counter() - start) * 1e3
 
-    return PlanResult(world_size=world_size, tensors=len(planned.shapes), items_per_rank=planned.items_per_rank,
-                      local_save_ms=planned.local_save_ms, local_plan_bytes=local_plan_bytes,
-                      gathered_bytes=gathered_bytes, global_save_ms=planned.global_save_ms,
-                      metadata_bytes=metadata_bytes, local_load_ms=load_plan_ms(world_size),
-                      reshard_load_ms=load_plan_ms(max(1, world_size // 2)),
-                      cached_local_save_ms=planned.cached_local_save_ms,
-                      cached_global_save_ms=planned.cached_global_save_ms,
-                      cached_gathered_bytes=planned.cached_gathered_bytes)
+    return PlanResult(world_size=world_size, tensors=len(planned.shapes), save=planned.times,
+                      local_plan_bytes=local_plan_bytes, gathered_bytes=gathered_bytes, metadata_bytes=metadata_bytes,
+                      local_load_ms=load_plan_ms(world_size), reshard_load_ms=load_plan_ms(max(1, world_size // 2)))
 
 
 def planning_report(results: list[PlanResult]) -> list[str]:
@@ -378,10 +376,10 @@ def planning_report(results: list[PlanResult]) -> list[str]:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
-        lines.append(f"| {r.world_size} | {r.tensors} | {r.items_per_rank} | {r.local_save_ms:.1f} |"
-                     f" {r.local_plan_bytes / 1024:.0f} | {r.gathered_bytes / 1e6:.1f} | {r.global_save_ms:.0f} |"
-                     f" {r.metadata_bytes / 1e6:.1f} | {r.cached_local_save_ms:.1f} | {r.cached_global_save_ms:.2f} |"
-                     f" {r.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |")
+        lines.append(f"| {r.world_size} | {r.tensors} | {r.save.items_per_rank} | {r.save.local_save_ms:.1f} |"
+                     f" {r.local_plan_bytes / 1024:.0f} | {r.gathered_bytes / 1e6:.1f} | {r.save.global_save_ms:.0f} |"
+                     f" {r.metadata_bytes / 1e6:.1f} | {r.save.cached_local_save_ms:.1f} | {r.save.cached_global_save_ms:.2f} |"
+                     f" {r.save.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |")
     by_tensors: dict[int, list[PlanResult]] = {}
     for r in results:
         by_tensors.setdefault(r.tensors, []).append(r)
@@ -393,13 +391,13 @@ def planning_report(results: list[PlanResult]) -> list[str]:
         grow = last.world_size / first.world_size
         lines.append(
             f"- {tensors} tensors, {first.world_size} -> {last.world_size} ranks ({grow:.0f}x): a rank's local"
-            f" save plan {last.local_save_ms / first.local_save_ms:.2f}x; the coordinator's global plan"
-            f" {last.global_save_ms / first.global_save_ms:.0f}x and what it receives"
+            f" save plan {last.save.local_save_ms / first.save.local_save_ms:.2f}x; the coordinator's global plan"
+            f" {last.save.global_save_ms / first.save.global_save_ms:.0f}x and what it receives"
             f" {last.gathered_bytes / first.gathered_bytes:.0f}x; `.metadata`"
             f" {last.metadata_bytes / first.metadata_bytes:.0f}x; a rank's load plan"
             f" {last.local_load_ms / first.local_load_ms:.1f}x (per saved chunk of every tensor:"
-            f" {last.local_load_ms * 1e3 / (last.items_per_rank * last.world_size):.2f} us at {last.world_size},"
-            f" {first.local_load_ms * 1e3 / (first.items_per_rank * first.world_size):.2f} us at {first.world_size})."
+            f" {last.local_load_ms * 1e3 / (last.save.items_per_rank * last.world_size):.2f} us at {last.world_size},"
+            f" {first.local_load_ms * 1e3 / (first.save.items_per_rank * first.world_size):.2f} us at {first.world_size})."
         )
     return lines
 
@@ -494,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for ws in args.world_sizes:
                 plans.append(simulate_planning(ws, blocks))
                 p = plans[-1]
-                print(f"  planning ws={ws} blocks={blocks}: global save plan {p.global_save_ms:.0f} ms,"
+                print(f"  planning ws={ws} blocks={blocks}: global save plan {p.save.global_save_ms:.0f} ms,"
                       f" load plan {p.local_load_ms:.1f} ms", flush=True)
     text = report(results, command, time.perf_counter() - start, args.bucket_size_mb, plans)
     print("\n" + text)
