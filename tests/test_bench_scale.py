@@ -3,6 +3,7 @@ simulation plans what a real save writes."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,7 @@ def test_the_planning_simulation_plans_every_element_once_and_each_replicated_te
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         for name, shape in shapes.items():
             chunks = planned.metadata.state_dict_metadata[f"{kind}/{name}"].chunks
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            assert sum(chunk.sizes[0] for chunk in chunks) == numel, (kind, name)
+            assert sum(chunk.sizes[0] for chunk in chunks) == math.prod(shape), (kind, name)
     written = [item.index.fqn for plan in planned.global_plans for item in plan.items]
     for name in shapes:
         assert written.count(f"step/{name}") == 1  # replicated on every rank, written by one
