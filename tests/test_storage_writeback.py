@@ -3,7 +3,10 @@ the writers hand the kernel while they write, and that nothing about the files c
 
 from __future__ import annotations
 
+import ctypes
 import io
+import mmap
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,22 +20,34 @@ MIB = 2**20
 
 
 class Recorder:
-    """Stands in for ``sync_file_range``: records each (fd, offset, length) and returns ``result``."""
+    """Stands in for ``sync_file_range`` and ``posix_fadvise``. ``calls``: each (fd, offset, length)
+    whose writeback was started; ``events``: every call in order, as (what, offset, length) with
+    what "start", "wait" or "drop". Returns ``result`` (``wait_result`` for waits)."""
 
-    def __init__(self, result: int = 0) -> None:
+    def __init__(self, result: int = 0, wait_result: int = 0) -> None:
         self.calls: list[tuple[int, int, int]] = []
-        self.result = result
+        self.events: list[tuple[str, int, int]] = []
+        self.result, self.wait_result = result, wait_result
 
     def __call__(self, fd: int, offset: int, length: int, flags: int) -> int:
-        assert flags == storage._SYNC_FILE_RANGE_WRITE  # start writeback, never wait
-        self.calls.append((fd, offset, length))
-        return self.result
+        if flags == storage._SYNC_FILE_RANGE_WRITE:
+            self.calls.append((fd, offset, length))
+            self.events.append(("start", offset, length))
+            return self.result
+        assert flags == storage._SYNC_FILE_RANGE_WAIT  # the only other request: wait for a whole range
+        self.events.append(("wait", offset, length))
+        return self.wait_result
+
+    def fadvise(self, fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        self.events.append(("drop", offset, length))
 
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(storage, "_sync_file_range", recorder)
+    monkeypatch.setattr(os, "posix_fadvise", recorder.fadvise, raising=False)
     return recorder
 
 
@@ -123,3 +138,90 @@ def test_offsets_count_from_where_the_file_was_when_wrapped(tmp_path: Path, reco
         stream = storage.WritebackStream(f, every=MIB)
         stream.write(b"d" * (2 * MIB))
     assert recorder.calls[0][1] == 1000 and recorder.calls[0][2] == 2 * MIB
+
+
+# ---- drop behind ([Note: drop behind]) ----------------------------------------------------------
+
+
+def test_each_range_is_waited_for_and_dropped_once_the_next_one_is_started(tmp_path: Path,
+                                                                            recorder: Recorder) -> None:
+    with open(tmp_path / "file.bin", "wb", buffering=0) as f:
+        stream = storage.WritebackStream(f, every=MIB)
+        for _ in range(4):
+            stream.write(b"x" * MIB)
+    # The disk is always handed the next range before the stream waits for the one before it, and
+    # a range is dropped only after its wait; the range just started stays cached.
+    assert recorder.events == [
+        ("start", 0, MIB),
+        ("start", MIB, MIB), ("wait", 0, MIB), ("drop", 0, MIB),
+        ("start", 2 * MIB, MIB), ("wait", MIB, MIB), ("drop", MIB, MIB),
+        ("start", 3 * MIB, MIB), ("wait", 2 * MIB, MIB), ("drop", 2 * MIB, MIB),
+    ]
+
+
+def test_a_range_whose_wait_failed_is_not_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An I/O error during writeback leaves the pages to the fsync, which reports it.
+    failing = Recorder(wait_result=-1)
+    monkeypatch.setattr(storage, "_sync_file_range", failing)
+    monkeypatch.setattr(os, "posix_fadvise", failing.fadvise, raising=False)
+    with open(tmp_path / "file.bin", "wb", buffering=0) as f:
+        stream = storage.WritebackStream(f, every=MIB)
+        for _ in range(3):
+            stream.write(b"x" * MIB)
+    assert [what for what, _, _ in failing.events] == ["start", "start", "wait", "start", "wait"]
+
+
+def test_with_drop_behind_off_nothing_is_waited_for_or_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                recorder: Recorder) -> None:
+    monkeypatch.setattr(storage, "DROP_BEHIND", False)
+    with open(tmp_path / "file.bin", "wb", buffering=0) as f:
+        stream = storage.WritebackStream(f, every=MIB)
+        for _ in range(3):
+            stream.write(b"x" * MIB)
+    assert [what for what, _, _ in recorder.events] == ["start"] * 3
+
+
+def _mount_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (its longest mount-point prefix)."""
+    best, kind = "", ""
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, fs_type = line.split()[:3]
+            if str(path).startswith(point) and len(point) > len(best):
+                best, kind = point, fs_type
+    return kind
+
+
+def _resident_bytes(path: Path) -> int:
+    """How many of ``path``'s bytes are in the page cache (``mincore`` over a shared mapping)."""
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as mapped:
+        vector = (ctypes.c_ubyte * pages)()
+        first_byte = ctypes.c_char.from_buffer(mapped)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        status = libc.mincore(ctypes.addressof(first_byte), size, vector)
+        del first_byte  # it exports the mapping's buffer: released before the mapping closes
+        assert status == 0, os.strerror(ctypes.get_errno())
+    return sum(byte & 1 for byte in vector) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range and mincore are Linux's")
+@pytest.mark.parametrize("drop_behind", [True, False])
+def test_a_file_being_written_keeps_about_one_range_in_the_page_cache(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      drop_behind: bool) -> None:
+    if _mount_type(tmp_path) in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{tmp_path} is in memory: its pages cannot leave the page cache")
+    monkeypatch.setattr(storage, "DROP_BEHIND", drop_behind)
+    path = tmp_path / "file.bin"
+    with open(path, "wb", buffering=0) as f:
+        stream = storage.WritebackStream(f, every=MIB)
+        for _ in range(16):
+            stream.write(os.urandom(MIB))
+        resident = _resident_bytes(path)  # before the fsync: what a save holds while it writes
+    if drop_behind:
+        assert resident <= 2 * MIB  # the last range started, and at most one page of a boundary
+    else:  # the control: without it the whole file stays cached (this machine is far from full)
+        assert resident >= 15 * MIB

@@ -27,7 +27,7 @@ import sys
 import uuid
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,9 +144,18 @@ def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
 # ---- local files: writeback started while writing -------------------------------------------
 
 WRITEBACK_BYTES = 32 * 2**20
-"""How much a :class:`WritebackStream` lets pile up in the page cache before it starts writing it out."""
+"""How much a :class:`WritebackStream` lets pile up in the page cache before it starts writing it out;
+a file being written keeps about twice this in the page cache ([Note: drop behind])."""
 
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+DROP_BEHIND = True
+"""Whether a :class:`WritebackStream` drops the pages it has written out ([Note: drop behind]);
+the benchmarks turn it off to measure what it brings."""
+
+# <linux/fs.h>
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1  # wait for writeback already under way in the range
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages
+_SYNC_FILE_RANGE_WAIT_AFTER = 4  # wait for the writeback just started
+_SYNC_FILE_RANGE_WAIT = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
 
 
 def _load_sync_file_range() -> Any:
@@ -183,7 +192,23 @@ class WritebackStream:
     It promises nothing about durability (no metadata, no cache flush of the device): the fsync
     that follows still does that. Offsets count from where the file was when wrapped; a seek
     through the wrapper is not followed (its hints would then only be wasted). ``fileno`` flushes
-    Python's buffer first; everything else (``tell``, ``flush``, ...) is the wrapped file's."""
+    Python's buffer first; everything else (``tell``, ``flush``, ...) is the wrapped file's.
+
+    [Note: drop behind] Once a range's writeback is started, the stream waits for the range before
+    it (whose writeback has had a whole range's time to finish, and the range just started keeps the
+    disk busy meanwhile) and drops its now clean pages (``POSIX_FADV_DONTNEED``). A file being
+    written then holds about two ranges of page cache, not the whole checkpoint:
+    - a save of tens of GB does not evict what the training job keeps cached (its dataset files),
+      and does not count its size against a container's memory limit (cgroup v2 charges page cache
+      to the job; its dirty pages throttle every writer of the job once past the dirty limit);
+    - the next range is written into the pages just freed, not into memory untouched for a while.
+      On a VM that reports free memory to its host (virtio-balloon free page reporting, as on this
+      project's benchmark machine) the host takes such memory back, and touching it again costs a
+      host page fault per page: fresh memory filled at 370 MiB/s there, memory just freed at
+      2.5 GB/s, and every checkpoint write that landed on fresh memory ran at a third of the
+      disk's rate (BENCHMARKS.md, "Drop behind").
+    The price: a read of the checkpoint right after its save comes from the disk, not the cache.
+    The file's last two ranges stay cached (clean after the fsync)."""
 
     def __init__(self, raw: Any, every: int | None = None) -> None:
         self._raw = raw
@@ -195,6 +220,8 @@ class WritebackStream:
             self._fd, start = None, 0
         self._position = start  # file offset after what was written through this wrapper
         self._started = start  # up to here writeback has been started
+        self._dropped = start  # up to here the pages were dropped from the page cache
+        self._drop = DROP_BEHIND
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
@@ -203,8 +230,20 @@ class WritebackStream:
             self._raw.flush()  # out of Python's buffer, so the range is in the page cache
             # A failure here (EIO, ENOSPC) comes back from the fsync too, which raises it.
             _sync_file_range(self._fd, self._started, self._position - self._started, _SYNC_FILE_RANGE_WRITE)
+            self._drop_behind(self._started)
             self._started = self._position
         return written
+
+    def _drop_behind(self, end: int) -> None:
+        """Wait for the writeback of [dropped, end) and drop its pages ([Note: drop behind])."""
+        start, self._dropped = self._dropped, end
+        if end <= start or self._fd is None or not self._drop:
+            return
+        # Pages still dirty or under writeback are not dropped: drop only once the wait succeeded.
+        # A failed wait (EIO) is the fsync's to report.
+        if _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WAIT) == 0:
+            with suppress(OSError, AttributeError):  # a hint: no posix_fadvise, no harm
+                os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def fileno(self) -> int:
         # Callers take the descriptor to fsync it (DCP does, before it closes the file): Python's
