@@ -5,8 +5,8 @@ Two gloo processes hold the same state as bench/checkpoint.py (284 MB per rank).
 rotating order, every method writes once: raw 64 MiB writes + fsync of one file per rank, the same
 with early writeback ([Note: early writeback]) and drop behind ([Note: drop behind]), with early
 writeback but the written pages kept cached, ``async_save`` in ``sharded`` and ``local`` mode
-(time from the end of staging to the commit), the same ``sharded`` save with the pages kept cached
-and with early writeback off, and DCP's own synchronous ``save`` of the same shards as plain
+(time from the end of staging to the commit), the same ``sharded`` save on one writer thread
+instead of two ([Note: parallel writes]), with the pages kept cached and with early writeback off, and DCP's own synchronous ``save`` of the same shards as plain
 tensors. Medians of the slowest rank.
 
 With ``--fresh-memory`` it measures instead why the writers drop what they wrote
@@ -39,25 +39,34 @@ import torch.distributed.checkpoint as dcp
 from _ckpt_common import MB, run_world, write_raw
 from checkpoint import Settings, build_trainer, per_rank_state, tree_bytes
 
-from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, storage, wait_for_staging
+from lightning_zero.checkpoint import (
+    async_save,
+    dcp_items,
+    maybe_finalize_async_calls,
+    storage,
+    wait_for_staging,
+)
 from lightning_zero.checkpoint import saver as ckpt_saver
 
-METHODS = ("raw", "raw_writeback", "raw_writeback_cached", "sharded", "sharded_cached", "sharded_no_writeback",
-           "local", "dcp_save")
+METHODS = ("raw", "raw_writeback", "raw_writeback_cached", "sharded", "sharded_one_thread", "sharded_cached",
+           "sharded_no_writeback", "local", "dcp_save")
 
 
 @contextlib.contextmanager
 def writer_settings(method: str) -> Iterator[None]:
     """The writers as ``method`` names them: ``_cached`` keeps the written pages in the page cache,
-    ``_no_writeback`` leaves all the writing to the final fsync."""
-    saved = storage.WRITEBACK_BYTES, storage.DROP_BEHIND
+    ``_no_writeback`` leaves all the writing to the final fsync, ``_one_thread`` writes a ``sharded``
+    save's items on one thread ([Note: parallel writes])."""
+    saved = storage.WRITEBACK_BYTES, storage.DROP_BEHIND, dcp_items.WRITE_THREADS
     if method.endswith("_no_writeback"):
         storage.WRITEBACK_BYTES = 2**62  # never reached: the final fsync writes everything
     storage.DROP_BEHIND = not method.endswith("_cached")
+    if method.endswith("_one_thread"):
+        dcp_items.WRITE_THREADS = 1
     try:
         yield
     finally:
-        storage.WRITEBACK_BYTES, storage.DROP_BEHIND = saved
+        storage.WRITEBACK_BYTES, storage.DROP_BEHIND, dcp_items.WRITE_THREADS = saved
 
 
 def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank: int, nbytes: int) -> float:

@@ -172,3 +172,22 @@ def test_a_load_reads_and_unpickles_metadata_once(single_rank_group: None, tmp_p
     load(target, path)
     assert torch.equal(target["w"].local, torch.arange(12.0)) and torch.equal(target["b"], torch.full((2,), 7.0))
     assert len(reads) == 1
+
+
+def test_a_sharded_save_writes_one_file_per_writer_thread_each_holding_part_of_the_items(
+        single_rank_group: None, tmp_path: Path) -> None:
+    # [Note: parallel writes]: the items are spread over WRITE_THREADS files, and all load back.
+    from lightning_zero.checkpoint import dcp_items
+
+    state = {f"w{i}": FlatShard(torch.full((1000 * (i + 1),), float(i)), (1000 * (i + 1),), 0, 1) for i in range(4)}
+    path = str(tmp_path / "c.ckpt")
+    save(state, path, mode="sharded")
+    (metadata,) = tmp_path.rglob(".metadata")
+    data_files = sorted(p.name for p in metadata.parent.glob("*.distcp"))
+    assert dcp_items.WRITE_THREADS == 2
+    assert data_files == ["__0_0.distcp", "__0_1.distcp"]
+    stored = dcp.FileSystemReader(str(metadata.parent)).read_metadata().storage_data
+    assert {info.relative_path for info in stored.values()} == set(data_files)  # neither file is empty
+    target = {name: FlatShard(torch.zeros(shard.local.numel()), shard.shape, 0, 1) for name, shard in state.items()}
+    load(target, path)
+    assert all(torch.equal(target[name].local, state[name].local) for name in state)

@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero._collectives import group_device, new_group, process_group_timeout
-from lightning_zero.checkpoint import integrity, storage
+from lightning_zero.checkpoint import dcp_items, integrity, storage
 from lightning_zero.checkpoint.dcp_items import (
     FlatChunk,
     FlatChunkLoadPlanner,
@@ -685,11 +685,12 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
 
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
-        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True)
+        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
+                                                                              thread_count=dcp_items.WRITE_THREADS)
         writer.fs = storage.WritebackFileSystem(writer.fs)  # [Note: early writeback]
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
         writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
-                                                            **_fs_options(loc))
+                                                            thread_count=dcp_items.WRITE_THREADS, **_fs_options(loc))
         _same_retries(writer, loc)
     # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
     # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import errno
 import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from lightning_zero.checkpoint import (
     remove,
     save,
     saver,
+    storage,
 )
 from lightning_zero.checkpoint.plugin import TREE_TAG
 
@@ -127,3 +132,99 @@ def test_plugin_teardown_raises_a_background_failure(tmp_path: Path, monkeypatch
         with pytest.raises(CheckpointSaveError, match=rf"last\.ckpt.*{DISK_FULL}"):
             plugin.teardown()
     plugin.teardown()  # raised once
+
+
+# ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp_items.py) ---------
+
+
+class _FullDiskStream:
+    """Takes a few bytes, then fails like a full disk."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._left = 64
+
+    def write(self, data: Any) -> int:
+        if self._left <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._left -= len(memoryview(data).cast("B"))
+        return self._raw.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class _SlowStream:
+    """Writes, slowly: the other thread's failure comes while this one is still writing."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: Any) -> int:
+        time.sleep(0.05)
+        return self._raw.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def fail_one_data_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str) -> None:
+    original = storage.WritebackFileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        with original(self, path, mode) as stream:
+            name = str(path).rsplit("/", 1)[-1]
+            yield _FullDiskStream(stream) if name == failing else _SlowStream(stream) if name == slow else stream
+
+    monkeypatch.setattr(storage.WritebackFileSystem, "create_stream", create_stream)
+
+
+def writer_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "_write_files_from_queue" in t.name]
+
+
+@pytest.mark.parametrize("failing", ["__0_0.distcp", "__0_1.distcp"])
+def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    # Whichever thread (DCP's own or the calling one) meets the full disk, the save fails with that
+    # error, no writer thread outlives it to write into the version being deleted, and the previous
+    # checkpoint still loads.
+    path = tmp_path / "last.ckpt"
+    save(tree(1.0), str(path), mode="sharded")
+    committed = files(tmp_path)
+    slow = "__0_1.distcp" if failing == "__0_0.distcp" else "__0_0.distcp"
+    with monkeypatch.context() as patch:
+        fail_one_data_file(patch, failing, slow)
+        async_save(tree(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
+            maybe_finalize_async_calls(blocking=True)
+    assert writer_threads() == []
+    assert loaded_value(path) == 1.0
+    assert files(tmp_path) == committed
+
+
+def test_a_writer_thread_that_dies_outside_any_stream_fails_the_save(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # DCP's extra thread ends silently when it raises before it opens its file: the items it held
+    # have no result, and the save must fail rather than commit a checkpoint without them.
+    from torch.distributed.checkpoint import filesystem
+
+    path = tmp_path / "last.ckpt"
+    save(tree(1.0), str(path), mode="sharded")
+    committed = files(tmp_path)
+    original = filesystem._SerialCpuLoader.start_loading
+
+    def start_loading(self: Any) -> None:
+        if "_write_files_from_queue" in threading.current_thread().name:
+            raise MemoryError("no memory for this thread's items")
+        original(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(filesystem._SerialCpuLoader, "start_loading", start_loading)
+        patch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is expected here
+        async_save(tree(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=r"no result for 1 of 2 items.*previous checkpoint is untouched"):
+            maybe_finalize_async_calls(blocking=True)
+    assert loaded_value(path) == 1.0
+    assert files(tmp_path) == committed
