@@ -292,6 +292,9 @@ writes with two threads per rank by default.
 DCP's threads handle failures badly: an extra thread that raises just ends (its files' results are
 missing from what ``write_data`` returns), and when the calling thread's own part raises it stops
 without joining the others, which go on writing into a version the failed save then deletes. So
-the checksumming file system (``integrity.checksumming_writer``) records a stream's failure
-instead of raising it, every thread runs to its end, and ``write_data`` then raises the first one;
-a planned item without a result fails the save too."""
+the checksumming file system (``integrity.checksumming_writer``) records a data file's failure
+(creating it, writing it, its fsync or close) instead of raising it, every thread runs to its end,
+and ``write_data`` then raises the first one; a planned item without a result fails the save too.
+``.metadata``, written after, fails as it comes. A KeyboardInterrupt is not kept: a synchronous
+save interrupted on the calling thread leaves the other thread to finish its file, in a version
+that nothing points to."""

@@ -36,7 +36,7 @@ import pickle
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -231,6 +231,16 @@ class _ChecksummingStream:
         return getattr(self._raw, name)
 
 
+class _FailedStream:
+    """Stands for a data file that could not be created: every use raises its error again."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        raise OSError(f"this checkpoint file could not be created: {self._error}") from self._error
+
+
 class _ChecksummingFileSystem:
     """Wraps a DCP writer's file system so that every data file it creates is checksummed per item."""
 
@@ -238,6 +248,8 @@ class _ChecksummingFileSystem:
         self._inner = inner
         self.segments: dict[str, dict[tuple[int, int], Any]] = {}
         self.errors: list[BaseException] = []
+        self.keep_errors = False
+        """While set (``write_data`` of the data files), a stream's failure is recorded, not raised."""
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -245,18 +257,29 @@ class _ChecksummingFileSystem:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
+        if not self.keep_errors:  # .metadata, written by finish(): its failure is raised as it comes
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        # [Note: parallel writes] in dcp_items.py: raised here, a failure would end a DCP writer
+        # thread silently, or end the calling thread's part while the others still write. It is
+        # kept instead, and write_data raises it once every thread is done.
+        opened = False
         try:
             with self._inner.create_stream(path, mode) as stream:
+                opened = True
                 segments: dict[tuple[int, int], Any] = {}
                 self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = segments
                 # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
                 yield _ChecksummingStream(stream, segments, self.errors,
                                           own_crc=not torch.serialization.get_crc32_options())
-        except Exception as exc:  # noqa: BLE001 - kept, and raised by write_data once every thread is done
-            # [Note: parallel writes] in dcp_items.py: raised here, it would end a DCP writer thread
-            # silently, or end the calling thread's part while the others still write.
+                return
+        except Exception as exc:  # noqa: BLE001 - kept, raised by write_data
             if not any(exc is seen for seen in self.errors):
                 self.errors.append(exc)
+        if not opened:  # the file could not be created: the caller still needs a stream to fail on
+            with suppress(Exception):  # the failure on it is the one already kept
+                yield _FailedStream(self.errors[-1])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -282,12 +305,15 @@ def checksumming_writer(base: type, save_id: str) -> type:
                 return future
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)
+            self.fs.keep_errors = True
             try:
                 future = super().write_data(plan, planner)
             except Exception as exc:
                 if self.fs.errors:  # the storage error torch.save hid behind its own
                     raise self.fs.errors[0] from exc
                 raise
+            finally:
+                self.fs.keep_errors = False
             if self.fs.errors:  # a stream failed: its file is incomplete or not durable
                 raise self.fs.errors[0]
             check_every_item_written(plan.items, future.wait())

@@ -17,6 +17,7 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import json
@@ -158,14 +159,16 @@ _SYNC_FILE_RANGE_WAIT_AFTER = 4  # wait for the writeback just started
 _SYNC_FILE_RANGE_WAIT = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
 
 
+_REFUSED = (errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP)
+"""``sync_file_range`` errors that say the file does not take the request, not that writing failed."""
+
+
 def _load_sync_file_range() -> Any:
     """glibc's ``sync_file_range``, or None (not Linux, or not found): :class:`WritebackStream` then
     passes writes through and the final fsync does all the writing, as it would without it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         function = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
@@ -241,11 +244,17 @@ class WritebackStream:
         start, self._dropped = self._dropped, end
         if end <= start or self._fd is None or not self._drop:
             return
-        # Pages still dirty or under writeback are not dropped: drop only once the wait succeeded.
-        # A failed wait (EIO) is the fsync's to report.
-        if _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WAIT) == 0:
-            with suppress(OSError, AttributeError):  # a hint: no posix_fadvise, no harm
-                os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        if _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WAIT) != 0:
+            code = ctypes.get_errno()
+            if code in _REFUSED:  # this file does not take the request: leave it all to the fsync
+                self._fd = None
+                return
+            # The wait has consumed the file's writeback error (the kernel reports one to each open
+            # file once, and the fsync would then succeed): it is this save's failure.
+            raise OSError(code, f"writing back bytes {start}-{end} of a checkpoint file failed: {os.strerror(code)}")
+        # Only clean pages are dropped (dirty ones never are), and only once the wait succeeded.
+        with suppress(OSError, AttributeError):  # a hint: no posix_fadvise, no harm
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def fileno(self) -> int:
         # Callers take the descriptor to fsync it (DCP does, before it closes the file): Python's

@@ -145,10 +145,13 @@ class _FullDiskStream:
         self._left = 64
 
     def write(self, data: Any) -> int:
-        if self._left <= 0:
+        view = memoryview(data).cast("B")
+        if len(view) > self._left:
+            self._raw.write(view[:self._left])
+            self._left = 0
             raise OSError(errno.ENOSPC, "No space left on device")
-        self._left -= len(memoryview(data).cast("B"))
-        return self._raw.write(data)
+        self._left -= len(view)
+        return self._raw.write(view)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
@@ -168,13 +171,16 @@ class _SlowStream:
         return getattr(self._raw, name)
 
 
-def fail_one_data_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str) -> None:
+def fail_one_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str = "", at_open: bool = False) -> None:
+    """The file named ``failing`` meets a full disk (when created, with ``at_open``); ``slow`` is written slowly."""
     original = storage.WritebackFileSystem.create_stream
 
     @contextmanager
     def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        name = str(path).rsplit("/", 1)[-1]
+        if name == failing and at_open:
+            raise OSError(errno.ENOSPC, "No space left on device")
         with original(self, path, mode) as stream:
-            name = str(path).rsplit("/", 1)[-1]
             yield _FullDiskStream(stream) if name == failing else _SlowStream(stream) if name == slow else stream
 
     monkeypatch.setattr(storage.WritebackFileSystem, "create_stream", create_stream)
@@ -184,9 +190,10 @@ def writer_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if "_write_files_from_queue" in t.name]
 
 
+@pytest.mark.parametrize("at_open", [False, True], ids=["mid-write", "at-open"])
 @pytest.mark.parametrize("failing", ["__0_0.distcp", "__0_1.distcp"])
 def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_stopped(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str, at_open: bool) -> None:
     # Whichever thread (DCP's own or the calling one) meets the full disk, the save fails with that
     # error, no writer thread outlives it to write into the version being deleted, and the previous
     # checkpoint still loads.
@@ -195,7 +202,7 @@ def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_s
     committed = files(tmp_path)
     slow = "__0_1.distcp" if failing == "__0_0.distcp" else "__0_0.distcp"
     with monkeypatch.context() as patch:
-        fail_one_data_file(patch, failing, slow)
+        fail_one_file(patch, failing, slow, at_open)
         async_save(tree(2.0), str(path), mode="sharded")
         with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
             maybe_finalize_async_calls(blocking=True)
@@ -225,6 +232,23 @@ def test_a_writer_thread_that_dies_outside_any_stream_fails_the_save(tmp_path: P
         patch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is expected here
         async_save(tree(2.0), str(path), mode="sharded")
         with pytest.raises(CheckpointSaveError, match=r"no result for 1 of 2 items.*previous checkpoint is untouched"):
+            maybe_finalize_async_calls(blocking=True)
+    assert loaded_value(path) == 1.0
+    assert files(tmp_path) == committed
+
+
+@pytest.mark.parametrize("at_open", [False, True], ids=["mid-write", "at-open"])
+def test_a_full_disk_while_dcp_writes_its_metadata_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   at_open: bool) -> None:
+    # .metadata is written after the data files, through the same file system: its failure must
+    # fail the save, not be kept like a data file's and committed.
+    path = tmp_path / "last.ckpt"
+    save(tree(1.0), str(path), mode="sharded")
+    committed = files(tmp_path)
+    with monkeypatch.context() as patch:
+        fail_one_file(patch, ".metadata.tmp", at_open=at_open)
+        async_save(tree(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
             maybe_finalize_async_calls(blocking=True)
     assert loaded_value(path) == 1.0
     assert files(tmp_path) == committed
