@@ -19,6 +19,7 @@ Usage::
 
     .venv/bin/python bench/write_loop.py                  # 8 rounds
     .venv/bin/python bench/write_loop.py --fresh-memory   # fill rates of fresh and just-freed memory
+    .venv/bin/python bench/write_loop.py --size-mb 16 --rounds 1   # a smoke run (the test suite does it)
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def fresh_memory(gib: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--size-mb", type=int, default=512, help="MiB of checkpointed state over the 2 ranks")
     parser.add_argument("--fresh-memory", action="store_true")
     parser.add_argument("--gib", type=int, default=8, help="GiB filled per pass with --fresh-memory")
     args = parser.parse_args()
@@ -165,11 +167,12 @@ def main() -> None:
         fresh_memory(args.gib)
         return
     with tempfile.TemporaryDirectory(prefix="lz-write-loop-") as root:
-        settings = Settings(size_mb=512, repeats=1, root=root, reshard_world_sizes=())
+        settings = Settings(size_mb=args.size_mb, repeats=1, root=root, reshard_world_sizes=())
         result = run_world(loop, 2, settings, args.rounds)
     total, times = result["bytes"], result["times"]
     raw = statistics.median(times["raw"])
-    print(f"Command: `.venv/bin/python bench/write_loop.py --rounds {args.rounds}`  ")
+    size = f" --size-mb {args.size_mb}" if args.size_mb != 512 else ""
+    print(f"Command: `.venv/bin/python bench/write_loop.py --rounds {args.rounds}{size}`  ")
     print(f"{total / MB:,.1f} MB over 2 ranks per write; median of {args.rounds} rounds, slowest rank.\n")
     print("| method | s (median) | runs (s) | MB/s | vs raw |")
     print("| --- | ---: | --- | ---: | ---: |")
