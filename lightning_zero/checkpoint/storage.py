@@ -207,7 +207,7 @@ class WritebackStream:
     - the next range is written into the pages just freed, not into memory untouched for a while.
       On a VM that reports free memory to its host (virtio-balloon free page reporting, as on this
       project's benchmark machine) the host takes such memory back, and touching it again costs a
-      host page fault per page: fresh memory filled at 370 MiB/s there, memory just freed at
+      host page fault per page: fresh memory filled at 395-464 MiB/s there, memory just freed at
       2.5 GB/s, and every checkpoint write that landed on fresh memory ran at a third of the
       disk's rate (BENCHMARKS.md, "Drop behind and two writer threads").
     The price: the waits, and a read of the checkpoint right after its save comes from the disk.
