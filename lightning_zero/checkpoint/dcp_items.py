@@ -285,9 +285,10 @@ then writes it, one item after the other on one thread: the disk idles while the
 and the CPU idles while the stream waits for the disk ([Note: drop behind] in storage.py). Two
 threads over disjoint items overlap the two. That is overlap, not CPU parallelism, so unlike the
 reader threads the count does not shrink with the CPUs per rank: on this project's 2-core machine,
-with both ranks writing, a 284 MB-per-rank save wrote in 0.63 s with two threads, 0.71 s with one
-and 0.67 s with four (``bench/write_loop.py``). Megatron-core's ``torch_dist`` save strategy also
-writes with two threads per rank by default.
+with both ranks writing, a 284 MB-per-rank save wrote in 0.70 s with two threads and 0.73 s with one
+(``bench/write_loop.py``, ``sharded_one_thread``); an ad-hoc interleaved loop gave 0.63 s for two,
+0.71 s for one and 0.67 s for four. Megatron-core's ``torch_dist`` save strategy also writes with
+two threads per rank by default.
 
 DCP's threads handle failures badly: an extra thread that raises just ends (its files' results are
 missing from what ``write_data`` returns), and when the calling thread's own part raises it stops

@@ -242,7 +242,8 @@ class _FailedStream:
 
 
 class _ChecksummingFileSystem:
-    """Wraps a DCP writer's file system so that every data file it creates is checksummed per item."""
+    """Wraps a DCP writer's file system so that every data file it creates is checksummed per item
+    (unless ``checksums_disabled()``), and its failures are kept ([Note: parallel writes])."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -253,11 +254,7 @@ class _ChecksummingFileSystem:
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with self._inner.create_stream(path, mode) as stream:
-                yield stream
-            return
-        if not self.keep_errors:  # .metadata, written by finish(): its failure is raised as it comes
+        if "w" not in mode or not self.keep_errors:  # reads; .metadata (finish()): failures raised as they come
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
@@ -268,6 +265,9 @@ class _ChecksummingFileSystem:
         try:
             with self._inner.create_stream(path, mode) as stream:
                 opened = True
+                if not _CHECKSUMS:  # checksums_disabled(): the stream as it is
+                    yield stream
+                    return
                 segments: dict[tuple[int, int], Any] = {}
                 self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = segments
                 # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
@@ -299,10 +299,6 @@ def checksumming_writer(base: type, save_id: str) -> type:
             self.save_id = save_id
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            if not _CHECKSUMS:
-                future = super().write_data(plan, planner)
-                check_every_item_written(plan.items, future.wait())
-                return future
             if not isinstance(self.fs, _ChecksummingFileSystem):
                 self.fs = _ChecksummingFileSystem(self.fs)
             self.fs.keep_errors = True
@@ -316,8 +312,9 @@ def checksumming_writer(base: type, save_id: str) -> type:
                 self.fs.keep_errors = False
             if self.fs.errors:  # a stream failed: its file is incomplete or not durable
                 raise self.fs.errors[0]
-            check_every_item_written(plan.items, future.wait())
-            for result in future.wait():
+            results = future.wait()
+            check_every_item_written(plan.items, results)
+            for result in results if _CHECKSUMS else ():
                 info = result.storage_data
                 crc = self.fs.segments.get(info.relative_path, {}).get((info.offset, info.length))
                 if crc is None:  # DCP changed how it writes items: fail loudly rather than save unchecked
