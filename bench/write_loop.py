@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _ckpt_common import MB, run_world, write_raw
-from checkpoint import Settings, build_trainer, per_rank_state, tree_bytes
+from checkpoint import RAW_WRITE_CHUNK, Settings, build_trainer, per_rank_state, tree_bytes
 
 from lightning_zero.checkpoint import (
     async_save,
@@ -70,11 +70,11 @@ def writer_settings(method: str) -> Iterator[None]:
         storage.WRITEBACK_BYTES, storage.DROP_BEHIND, dcp_items.WRITE_THREADS = saved
 
 
-def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank: int, nbytes: int) -> float:
+def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank: int, nbytes: int,
+              chunk: memoryview) -> float:
     with writer_settings(method):
         if method.startswith("raw"):
-            start, end = write_raw(f"{path}-rank{rank}.bin", nbytes, memoryview(os.urandom(64 * 2**20)),
-                                   writeback=method != "raw")
+            start, end = write_raw(f"{path}-rank{rank}.bin", nbytes, chunk, writeback=method != "raw")
             return end - start
         if method == "dcp_save":
             start = time.perf_counter()
@@ -94,13 +94,14 @@ def loop(rank: int, world_size: int, settings: Settings, rounds: int) -> dict[st
     trainer.optimizer_step()
     plain = per_rank_state(trainer.tree(), rank)
     nbytes = tree_bytes(trainer.tree())
+    chunk = memoryview(os.urandom(RAW_WRITE_CHUNK))  # made once: the raw writes time only the writing
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for round_index in range(rounds + 1):  # round 0 warms up
         order = METHODS[round_index % len(METHODS):] + METHODS[:round_index % len(METHODS)]
         for method in order:
             path = os.path.join(settings.root, f"{method}-{round_index}")
             dist.barrier()
-            seconds = one_write(method, trainer, plain, path, rank, nbytes)
+            seconds = one_write(method, trainer, plain, path, rank, nbytes, chunk)
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, seconds)
             if round_index:

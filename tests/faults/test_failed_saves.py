@@ -42,6 +42,10 @@ def _one_rank(one_rank: None) -> None:
 
 
 
+def disk_full() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
 def loaded_value(path: Path) -> float:
     target = tree(0.0)
     load(target, str(path))
@@ -55,11 +59,11 @@ def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(b"PK\x03\x04 partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise disk_full()
 
     if mode == "sharded":  # the tensor data goes through DCP's writer
         def write_data(self: Any, plan: Any, planner: Any) -> Any:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise disk_full()
 
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
     else:
@@ -149,7 +153,7 @@ class _FullDiskStream:
         if len(view) > self._left:
             self._raw.write(view[:self._left])
             self._left = 0
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise disk_full()
         self._left -= len(view)
         return self._raw.write(view)
 
@@ -179,7 +183,7 @@ def fail_one_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str = "",
     def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
         name = str(path).rsplit("/", 1)[-1]
         if name == failing and at_open:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise disk_full()
         with original(self, path, mode) as stream:
             yield _FullDiskStream(stream) if name == failing else _SlowStream(stream) if name == slow else stream
 
