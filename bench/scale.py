@@ -20,7 +20,8 @@ timed steps and of the per-round difference, one thread.
 Checkpoint planning (:func:`simulate_planning`): DCP plans a ``sharded`` save in three steps, each
 rank's local plan, the coordinator's global plan over every rank's local plan (deduplication,
 validation, ``.metadata``), and each rank's final plan; a load plans each rank's reads against
-``.metadata``. None of it needs a collective, so the simulation runs the real planners
+``.metadata``, which every loading rank unpickles (timed here) after the coordinator read it and
+broadcast it ([Note: shared metadata]). None of it needs a collective, so the simulation runs the real planners
 (:class:`~lightning_zero.checkpoint.dcp_items.FlatChunkSavePlanner`, DCP's file writer,
 :class:`~lightning_zero.checkpoint.dcp_items.FlatChunkLoadPlanner`) on the tree every rank hands DCP
 (fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every tensor as flat chunks, AdamW's ``step``
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
 import statistics
 import sys
@@ -239,6 +241,8 @@ class PlanResult:
     """Every rank's local plan: what the coordinator receives."""
     metadata_bytes: int
     """``.metadata`` with one storage record per written item, pickled."""
+    metadata_unpickle_ms: float
+    """Unpickling those bytes as every loading rank does (the restricted unpickler of integrity.py)."""
     local_load_ms: float
     """Rank 0's read plan against that ``.metadata``, loading at the same world size."""
     reshard_load_ms: float
@@ -335,6 +339,7 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from lightning_zero.checkpoint.dcp_items import FlatChunkLoadPlanner, chunk_bytes
+    from lightning_zero.checkpoint.integrity import _MetadataUnpickler
 
     planned = plan_save(world_size, blocks)
     local_plan_bytes = len(pickle.dumps(planned.plans[0]))
@@ -349,7 +354,12 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
             offset += length
     metadata = Metadata(state_dict_metadata=planned.metadata.state_dict_metadata,
                         planner_data=planned.metadata.planner_data, storage_data=storage)
-    metadata_bytes = len(pickle.dumps(metadata))
+    raw_metadata = pickle.dumps(metadata)
+    metadata_bytes = len(raw_metadata)
+    start = time.perf_counter()
+    _MetadataUnpickler(io.BytesIO(raw_metadata)).load()
+    metadata_unpickle_ms = (time.perf_counter() - start) * 1e3
+    del raw_metadata
 
     def load_plan_ms(load_world_size: int) -> float:
         state = rank_dcp_state(planned.shapes, 0, load_world_size)
@@ -361,6 +371,7 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
 
     return PlanResult(world_size=world_size, tensors=len(planned.shapes), save=planned.times,
                       local_plan_bytes=local_plan_bytes, gathered_bytes=gathered_bytes, metadata_bytes=metadata_bytes,
+                      metadata_unpickle_ms=metadata_unpickle_ms,
                       local_load_ms=load_plan_ms(world_size), reshard_load_ms=load_plan_ms(max(1, world_size // 2)))
 
 
@@ -372,14 +383,17 @@ def planning_report(results: list[PlanResult]) -> list[str]:
         "| world size | tensors | DCP items per rank | rank's local save plan ms | its plan, pickled KB |"
         " coordinator receives MB | coordinator's global plan ms | `.metadata` MB | next save (cached):"
         " local ms | next save: global ms | next save: coordinator receives KB | rank's load plan ms |"
-        " load plan at ws/2 (reshard) ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " load plan at ws/2 (reshard) ms | a rank unpickles `.metadata` ms | `.metadata` read from storage"
+        " per resume, every rank twice (before) / the coordinator once (now) MB |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(f"| {r.world_size} | {r.tensors} | {r.save.items_per_rank} | {r.save.local_save_ms:.1f} |"
                      f" {r.local_plan_bytes / 1024:.0f} | {r.gathered_bytes / 1e6:.1f} | {r.save.global_save_ms:.0f} |"
                      f" {r.metadata_bytes / 1e6:.1f} | {r.save.cached_local_save_ms:.1f} | {r.save.cached_global_save_ms:.2f} |"
-                     f" {r.save.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |")
+                     f" {r.save.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |"
+                     f" {r.metadata_unpickle_ms:.0f} | {2 * r.world_size * r.metadata_bytes / 1e6:,.0f} /"
+                     f" {r.metadata_bytes / 1e6:.1f} |")
     by_tensors: dict[int, list[PlanResult]] = {}
     for r in results:
         by_tensors.setdefault(r.tensors, []).append(r)

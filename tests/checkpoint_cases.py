@@ -435,3 +435,59 @@ def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
         dtypes.append(str(dcp.FileSystemReader(str(metadata_dir)).read_metadata().state_dict_metadata["own1"]
                           .properties.dtype))
     return dtypes
+
+
+def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
+    (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
+    a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from lightning_zero.checkpoint import trainer as ckpt_trainer
+
+    opened: list[str] = []
+    original = FileSystem.create_stream
+
+    @contextmanager
+    def counted(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        if str(path).endswith(".metadata") and "r" in mode:
+            opened.append(str(path))
+        with original(self, path, mode) as stream:
+            yield stream
+
+    model, engine = build(rank, world_size)
+    train(model, engine, range(SAVED_AT_STEP), rank, world_size)
+    path = f"{root}/sharded.ckpt"
+    save(ckpt_state.zero_state_dict(engine, model), path, mode="sharded")
+    saved = gather_full_state(engine)
+    engine.close()
+    out: dict[str, Any] = {"saved": saved}
+    FileSystem.create_stream = counted  # type: ignore[method-assign]
+    try:
+        for kind in ("load", "resume"):
+            fresh_model, fresh = build(rank, world_size, perturb=1.0)
+            opened.clear()
+            if kind == "load":
+                load_into(fresh, fresh_model, path, saved["state"])
+            else:
+                ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+            out[kind] = {"reads": len(opened), "loaded": gather_full_state(fresh)}
+            fresh.close()
+    finally:
+        FileSystem.create_stream = original  # type: ignore[method-assign]
+    dist.barrier()
+    if rank == 0:
+        (metadata,) = Path(root).glob("_zero_data/sharded.ckpt/*/.metadata")
+        metadata.unlink()
+    dist.barrier()
+    fresh_model, fresh = build(rank, world_size, perturb=1.0)
+    before = params(fresh_model)
+    try:
+        ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+    except Exception as exc:  # noqa: BLE001 - the error under test
+        out["missing"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        out["missing"] = {"error": None}
+    out["missing"]["untouched"] = all(torch.equal(before[n], p) for n, p in params(fresh_model).items())
+    fresh.close()
+    return out

@@ -412,17 +412,27 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._metadata_read: dict[str, Any] = {}  # path -> what read_metadata unpickled there
+            self.shared_metadata: bytes | None = None
+            """``.metadata`` as the coordinator read it for every rank ([Note: shared metadata] in
+            saver.py): used instead of reading the file."""
+
+        def metadata_bytes(self, rank: int | None = None) -> bytes:
+            """The raw bytes of ``.metadata`` (DCP's per-rank one for ``rank``), read from storage."""
+            with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
+                return stream.read()
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            path = self._get_metadata_path(kwargs.get("rank"))
+            rank = kwargs.get("rank")
+            path = self._get_metadata_path(rank)
             # Read once per reader: the load checks it (save id, keys) before DCP asks for it again,
-            # and at 1024 ranks it is ~110 MB that every rank reads (bench/scale.py).
+            # and at 1024 ranks it is ~110 MB (bench/scale.py).
             metadata = self._metadata_read.get(str(path))
             if metadata is None:
-                with self.fs.create_stream(path, "rb") as stream:
-                    raw = stream.read()
+                raw = self.shared_metadata if rank is None else None
+                if raw is None:
+                    raw = self.metadata_bytes(rank)
                 try:
                     metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
                 except Exception as exc:

@@ -915,15 +915,85 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     maybe_finalize_async_calls(blocking=True)
     team = _team(process_group, coordinator_rank)
     loc = storage.resolve(checkpoint_id, storage_options)
+    with shared_metadata(loc, team):
+        error: BaseException | None = None
+        finish: Callable[[], dict[str, Any]] | None = None
+        try:
+            finish = _prepare_load(state_dict, loc, team)
+        except Exception as exc:
+            error = exc
+        agree(error, loc, team)
+        assert finish is not None
+        return finish()
+
+
+# [Note: shared metadata]
+# A ``sharded`` checkpoint's ``.metadata`` lists every item of every rank: ~110 MB at 1024 ranks
+# (bench/scale.py). Were every rank to read it, a resume would read it 1024 times from the shared
+# file system or bucket (twice over in the Trainer's resume, whose key check reads it too). One
+# rank (the team's coordinator) reads it and broadcasts the bytes over the coordination group; every
+# rank unpickles and checks them itself, as it would the file. The broadcast comes first, where
+# every rank is, before anything that may fail on one rank only, so no rank waits in it for a rank
+# that has left: a failed read there (no marker, no .metadata, an unreachable bucket) is raised on
+# every rank. The other files (marker, objects file, data) are read by each rank as before.
+_SHARED_METADATA: dict[tuple[str, tuple[int, ...]], tuple[str, bytes] | None] = {}
+"""(url, the team's ranks) -> (version directory, its ``.metadata`` bytes), or None where the checkpoint
+is not ``sharded``; held for the duration of :func:`shared_metadata`."""
+
+
+@contextlib.contextmanager
+def shared_metadata(loc: Location, team: _Team | None = None) -> Iterator[None]:
+    """(collective over the team when it has more than one rank) Within it, the DCP readers of
+    ``loc`` use ``.metadata`` as the team's coordinator read it ([Note: shared metadata]). Nested
+    uses for the same checkpoint and team share once."""
+    team = team if team is not None else _team()
+    key = (loc.url, team.global_ranks)
+    if team.world_size == 1 or key in _SHARED_METADATA:
+        yield
+        return
+    read: tuple[str, bytes] | None = None
     error: BaseException | None = None
-    finish: Callable[[], dict[str, Any]] | None = None
+    if team.is_coordinator:
+        try:
+            read = _read_metadata_bytes(loc)
+        except Exception as exc:
+            error = exc
+    payload = [(read, _sendable(error))]
     try:
-        finish = _prepare_load(state_dict, loc, team)
-    except Exception as exc:
-        error = exc
-    agree(error, loc, team)
-    assert finish is not None
-    return finish()
+        dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
+    except Exception as exc:  # gloo: a peer died or froze
+        raise peer_lost(exc) from exc
+    if error is not None:
+        raise error
+    read, received = payload[0]
+    if received is not None:
+        raise received
+    _SHARED_METADATA[key] = read
+    try:
+        yield
+    finally:
+        _SHARED_METADATA.pop(key, None)
+
+
+def _read_metadata_bytes(loc: Location) -> tuple[str, bytes] | None:
+    """(coordinator) The version directory of a ``sharded`` checkpoint and its ``.metadata`` bytes."""
+    marker = storage.read_marker(loc)
+    if marker is None or validate_marker_mode(loc, marker) != "sharded":
+        return None
+    version_dir = _check_version_dir(loc, marker)
+    with _reading_dcp_metadata(loc):
+        return version_dir, _dcp_reader(loc, version_dir).metadata_bytes()
+
+
+def _sendable(error: BaseException | None) -> BaseException | None:
+    """``error`` if it survives pickling (to other ranks), else a RuntimeError with its text."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - an exception class that does not pickle
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team) -> Callable[[], dict[str, Any]]:
@@ -1199,17 +1269,29 @@ def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False
 
     threads = read_threads(_ranks_on_this_node())
     if loc.is_local:
-        return parallel_reads(integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(version_dir)
-    reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
-        loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
-    _same_retries(reader, loc)
+        reader = parallel_reads(integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(
+            version_dir)
+    else:
+        reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
+            loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+        _same_retries(reader, loc)
+    # [Note: shared metadata]: inside shared_metadata(), the bytes the coordinator read.
+    reader.shared_metadata = next((raw for shared_dir, raw in filter(None, _SHARED_METADATA.values())
+                                   if shared_dir == version_dir), None)
     return reader
 
 
 def _read_dcp_metadata(loc: Location, reader: Any) -> Any:
     """A committed DCP directory's metadata; a clear error when it is missing or damaged."""
-    try:
+    with _reading_dcp_metadata(loc):
         return reader.read_metadata()
+
+
+@contextlib.contextmanager
+def _reading_dcp_metadata(loc: Location) -> Iterator[None]:
+    """Turn a failed read of ``.metadata`` into an error that says what to do."""
+    try:
+        yield
     except CheckpointCorruptError:
         raise
     except FileNotFoundError as exc:

@@ -147,36 +147,39 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
     call :func:`publish` on every rank once every rank has loaded."""
     options = storage_options or {}
     loc = storage.resolve(checkpoint_id, options)
-    # Everything that can fail on one rank only (a file it cannot read, another model) fails before
-    # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
-    # coordination group) while another has already left for the caller's agreement.
-    error: BaseException | None = None
-    mode: str = "full"
-    keys: set[str] = set()
-    try:
-        mode = saver.read_mode(checkpoint_id, options)
+    # [Note: shared metadata] in saver.py: a sharded checkpoint's .metadata is read by rank 0 only,
+    # for the key check and the load below.
+    with saver.shared_metadata(loc):
+        # Everything that can fail on one rank only (a file it cannot read, another model) fails before
+        # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
+        # coordination group) while another has already left for the caller's agreement.
+        error: BaseException | None = None
+        mode: str = "full"
+        keys: set[str] = set()
+        try:
+            mode = saver.read_mode(checkpoint_id, options)
+            if mode == "full":
+                content = saver.read_full(checkpoint_id, options)
+            else:
+                keys = saver.saved_tensor_keys(checkpoint_id, options)
+        except Exception as exc:
+            error = exc
+        saver.agree(error, loc)
         if mode == "full":
-            content = saver.read_full(checkpoint_id, options)
-        else:
-            keys = saver.saved_tensor_keys(checkpoint_id, options)
-    except Exception as exc:
-        error = exc
-    saver.agree(error, loc)
-    if mode == "full":
-        if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
-            ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
-            return content
-        keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
-    for index, optimizer in enumerate(engine.optimizers):
-        ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
-    tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
-    if not any(k.startswith("optimizer/") for k in keys):
-        tree.pop("optimizer")
-    objects = saver.load(tree, checkpoint_id, storage_options=options)
-    for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
-        ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
-    content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
-    return {**content, "state_dict": module.state_dict()}
+            if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
+                ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
+                return content
+            keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
+        for index, optimizer in enumerate(engine.optimizers):
+            ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
+        tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
+        if not any(k.startswith("optimizer/") for k in keys):
+            tree.pop("optimizer")
+        objects = saver.load(tree, checkpoint_id, storage_options=options)
+        for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
+            ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+        content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
+        return {**content, "state_dict": module.state_dict()}
 
 
 def publish(engine: ZeroEngine, module: nn.Module) -> None:
