@@ -296,6 +296,8 @@ without joining the others, which go on writing into a version the failed save t
 the checksumming file system (``integrity.checksumming_writer``) records a data file's failure
 (creating it, writing it, its fsync or close) instead of raising it, every thread runs to its end,
 and ``write_data`` then raises the first one; a planned item without a result fails the save too.
+Once one file has failed, the other threads' next writes fail too (``integrity.SaveAbandoned``), so
+they end within one write instead of writing (on S3: uploading) the rest of a save that is lost.
 ``.metadata``, written after, fails as it comes. A KeyboardInterrupt is not kept: a synchronous
 save interrupted on the calling thread leaves the other thread to finish its file, in a version
 that nothing points to."""

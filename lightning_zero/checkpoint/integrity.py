@@ -202,6 +202,8 @@ class _ChecksummingStream:
         self._tail: list[bytes] = []  # the small writes since the last large one (the zip directory)
 
     def write(self, data: Any) -> int:
+        if self._errors:  # another file of this save failed: the save is lost, stop writing this one
+            raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
         view = memoryview(data).cast("B")
         try:
             written = self._raw.write(view)
@@ -229,6 +231,12 @@ class _ChecksummingStream:
 
     def __getattr__(self, name: str) -> Any:  # flush, fileno (fsync), close, ... of the real stream
         return getattr(self._raw, name)
+
+
+class SaveAbandoned(RuntimeError):
+    """A data file whose writing stopped because another file of the same save had failed (its
+    error is the one the save raises): on S3 the other writer thread would otherwise upload the
+    rest of its half of the shard for a save that is already lost."""
 
 
 class _FailedStream:

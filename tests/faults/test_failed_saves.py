@@ -141,6 +141,10 @@ def test_plugin_teardown_raises_a_background_failure(tmp_path: Path, monkeypatch
 # ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp_items.py) ---------
 
 
+FAILED = threading.Event()
+"""Set once a _FullDiskStream has failed."""
+
+
 class _FullDiskStream:
     """Takes a few bytes, then fails like a full disk."""
 
@@ -153,6 +157,7 @@ class _FullDiskStream:
         if len(view) > self._left:
             self._raw.write(view[:self._left])
             self._left = 0
+            FAILED.set()
             raise disk_full()
         self._left -= len(view)
         return self._raw.write(view)
@@ -164,11 +169,15 @@ class _FullDiskStream:
 class _SlowStream:
     """Writes, slowly: the other thread's failure comes while this one is still writing."""
 
+    writes_after_failure = 0
+
     def __init__(self, raw: Any) -> None:
         self._raw = raw
 
     def write(self, data: Any) -> int:
         time.sleep(0.05)
+        if FAILED.is_set():
+            _SlowStream.writes_after_failure += 1
         return self._raw.write(data)
 
     def __getattr__(self, name: str) -> Any:
@@ -178,11 +187,14 @@ class _SlowStream:
 def fail_one_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str = "", at_open: bool = False) -> None:
     """The file named ``failing`` meets a full disk (when created, with ``at_open``); ``slow`` is written slowly."""
     original = storage.WritebackFileSystem.create_stream
+    FAILED.clear()
+    _SlowStream.writes_after_failure = 0
 
     @contextmanager
     def create_stream(self: Any, path: Any, mode: str) -> Iterator[Any]:
         name = str(path).rsplit("/", 1)[-1]
         if name == failing and at_open:
+            FAILED.set()
             raise disk_full()
         with original(self, path, mode) as stream:
             yield _FullDiskStream(stream) if name == failing else _SlowStream(stream) if name == slow else stream
@@ -213,6 +225,9 @@ def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_s
     assert writer_threads() == []
     assert loaded_value(path) == 1.0
     assert files(tmp_path) == committed
+    # The other file stopped at its next write (the one in flight may finish): nothing more of
+    # a lost save is written, or uploaded on S3.
+    assert FAILED.is_set() and _SlowStream.writes_after_failure <= 1, _SlowStream.writes_after_failure
 
 
 def test_a_writer_thread_that_dies_outside_any_stream_fails_the_save(tmp_path: Path,
