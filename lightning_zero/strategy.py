@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint import trainer as ckpt_trainer
 from lightning_zero.checkpoint.metrics import CheckpointMetrics
@@ -357,8 +357,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
-            if engine is None:
-                return ckpt_trainer.load_weights(module, candidate, options)
+            if engine is None:  # rank 0 reads a sharded checkpoint's .metadata for all ([Note: shared metadata])
+                with saver.shared_metadata(storage.resolve(candidate, options)):
+                    return ckpt_trainer.load_weights(module, candidate, options)
             return ckpt_trainer.load_zero_state_local(engine, module, candidate, options)
 
         _, result = ckpt_trainer.load_with_fallback(

@@ -437,13 +437,10 @@ def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
     return dtypes
 
 
-def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
-    (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
-    a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
+@contextmanager
+def metadata_opens() -> Iterator[list[str]]:
+    """The DCP ``.metadata`` files this process opens for reading (local file systems) while inside."""
     from torch.distributed.checkpoint.filesystem import FileSystem
-
-    from lightning_zero.checkpoint import trainer as ckpt_trainer
 
     opened: list[str] = []
     original = FileSystem.create_stream
@@ -455,6 +452,19 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
         with original(self, path, mode) as stream:
             yield stream
 
+    FileSystem.create_stream = counted  # type: ignore[method-assign]
+    try:
+        yield opened
+    finally:
+        FileSystem.create_stream = original  # type: ignore[method-assign]
+
+
+def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
+    (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
+    a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
+    from lightning_zero.checkpoint import trainer as ckpt_trainer
+
     model, engine = build(rank, world_size)
     train(model, engine, range(SAVED_AT_STEP), rank, world_size)
     path = f"{root}/sharded.ckpt"
@@ -462,8 +472,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     saved = gather_full_state(engine)
     engine.close()
     out: dict[str, Any] = {"saved": saved}
-    FileSystem.create_stream = counted  # type: ignore[method-assign]
-    try:
+    with metadata_opens() as opened:
         for kind in ("load", "resume"):
             fresh_model, fresh = build(rank, world_size, perturb=1.0)
             opened.clear()
@@ -473,8 +482,6 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
             out[kind] = {"reads": len(opened), "loaded": gather_full_state(fresh)}
             fresh.close()
-    finally:
-        FileSystem.create_stream = original  # type: ignore[method-assign]
     dist.barrier()
     if rank == 0:
         (metadata,) = Path(root).glob("_zero_data/sharded.ckpt/*/.metadata")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from checkpoint_cases import metadata_opens
 from engine_cases import global_batch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -115,11 +116,12 @@ def evaluate_from(rank: int, world_size: int, root: str, mode: str, path: str) -
             p.add_(3.0)  # the checkpoint must overwrite every weight
     recorder = LossRecorder()
     t = trainer(world_size, mode, root, callbacks=[recorder])
-    t.validate(module, loader(1, 1, world_size), ckpt_path=path, verbose=False)
-    t.test(module, loader(1, 1, world_size), ckpt_path=path, verbose=False)
-    predictions = t.predict(module, loader(1, 1, world_size), ckpt_path=path)
+    with metadata_opens() as opened:
+        t.validate(module, loader(1, 1, world_size), ckpt_path=path, verbose=False)
+        t.test(module, loader(1, 1, world_size), ckpt_path=path, verbose=False)
+        predictions = t.predict(module, loader(1, 1, world_size), ckpt_path=path)
     return {**recorder.metrics, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
-            "prediction": predictions[0] if predictions else None}
+            "prediction": predictions[0] if predictions else None, "metadata_opens": len(opened)}
 
 
 class BNNet(NetModule):

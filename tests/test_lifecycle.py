@@ -81,12 +81,15 @@ def test_validate_test_predict_from_a_checkpoint_at_any_world_size(lifecycle: An
                                                                    world_size: int) -> None:
     result, root = lifecycle(mode)
     path = str(root / "after-fit.ckpt")
-    evaluated = run_distributed(evaluate_from, world_size, str(tmp_path), mode, path, start_method="forkserver")[0]
+    ranks = run_distributed(evaluate_from, world_size, str(tmp_path), mode, path, start_method="forkserver")
+    evaluated = ranks[0]
     assert_equal_tensors(evaluated["weights"], result["weights"], "loaded weights")
     expected = reference_loss(result["weights"], world_size)
     assert evaluated["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert evaluated["test_loss"] == pytest.approx(expected, rel=1e-6)
     assert evaluated["prediction"] is not None
+    if mode == "sharded":  # validate, test, predict: one read each, by rank 0 for all
+        assert [rank["metadata_opens"] for rank in ranks] == [3] + [0] * (world_size - 1)
 
 
 @pytest.mark.parametrize("mode", ["local", "sharded", "full"])

@@ -74,7 +74,7 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    version_dir, objects, found, reader, dcp_metadata = saver.open_sharded(loc, marker)
+    _, objects, _, reader, dcp_metadata = saver.open_sharded(loc, marker)
     metadata = dcp_metadata.state_dict_metadata
     targets: dict[str, Tensor] = {}
     for key, md in metadata.items():
@@ -82,11 +82,10 @@ def _read_sharded(loc: Location, marker: dict[str, Any], optimizer: bool) -> dic
             continue
         targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
-        # A fresh reader: DCP's load sets it up for this plan.
-        checked = found is not None and found.get("tensors") is not None
+        # The reader that read .metadata (it keeps what it read): DCP's load sets it up for this plan.
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(targets, storage_reader=saver._dcp_reader(loc, version_dir, checked), no_dist=True)
+            dcp.load(targets, storage_reader=reader, no_dist=True)
     except CheckpointException as exc:
         cause = saver._dcp_failure(exc)
         if isinstance(cause, CheckpointCorruptError):
