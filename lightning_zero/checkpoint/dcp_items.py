@@ -298,6 +298,5 @@ the checksumming file system (``integrity.checksumming_writer``) records a data 
 and ``write_data`` then raises the first one; a planned item without a result fails the save too.
 Once one file has failed, the other threads' next writes fail too (``integrity.SaveAbandoned``), so
 they end within one write instead of writing (on S3: uploading) the rest of a save that is lost.
-``.metadata``, written after, fails as it comes. A KeyboardInterrupt is not kept: a synchronous
-save interrupted on the calling thread leaves the other thread to finish its file, in a version
-that nothing points to."""
+``.metadata``, written after, fails as it comes. A KeyboardInterrupt or SystemExit in a data
+file is not kept but goes on up; it still stops the other files at their next write."""

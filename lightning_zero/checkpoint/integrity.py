@@ -285,6 +285,9 @@ class _ChecksummingFileSystem:
         except Exception as exc:  # noqa: BLE001 - kept, raised by write_data
             if not any(exc is seen for seen in self.errors):
                 self.errors.append(exc)
+        except (KeyboardInterrupt, SystemExit) as exc:  # goes on up, and the other files stop at their next write
+            self.errors.append(exc)
+            raise
         if not opened:  # the file could not be created: the caller still needs a stream to fail on
             with suppress(Exception):  # the failure on it is the one already kept
                 yield _FailedStream(self.errors[-1])

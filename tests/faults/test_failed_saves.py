@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, save_with_failing_rank
 from fault_cases import MODES, tree
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_zero.checkpoint import (
     CheckpointSaveError,
@@ -271,3 +272,21 @@ def test_a_full_disk_while_dcp_writes_its_metadata_fails_the_save(tmp_path: Path
             maybe_finalize_async_calls(blocking=True)
     assert loaded_value(path) == 1.0
     assert files(tmp_path) == committed
+
+
+def test_an_interrupt_in_one_data_file_stops_the_others_at_their_next_write(tmp_path: Path) -> None:
+    # A KeyboardInterrupt (or SystemExit) on the thread writing one file goes on up, and the
+    # thread writing the other file stops at its next write instead of finishing it.
+    from lightning_zero.checkpoint import integrity
+
+    fs = integrity._ChecksummingFileSystem(storage.WritebackFileSystem(FileSystem()))
+    fs.keep_errors = True
+    with fs.create_stream(tmp_path / "other.distcp", "wb") as other:
+        other.write(b"before")
+        with pytest.raises(KeyboardInterrupt), fs.create_stream(tmp_path / "interrupted.distcp", "wb") as stream:
+            stream.write(b"some")
+            raise KeyboardInterrupt
+        with pytest.raises(integrity.SaveAbandoned, match="another file of this save failed first"):
+            other.write(b"after")
+    assert isinstance(fs.errors[0], KeyboardInterrupt)
+    assert (tmp_path / "other.distcp").read_bytes() == b"before"
