@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import math
 import statistics
 import sys
@@ -228,6 +227,22 @@ class SavePlanTimes:
     cached_global_save_ms: float
     """The coordinator's global plan at that save, from every rank's empty plan."""
     cached_gathered_bytes: int
+    global_save_collector_ms: float = 0.0
+    """The coordinator's global plan as above (no cache), with Python's collector running during it."""
+
+
+@contextlib.contextmanager
+def collector_running() -> Iterator[None]:
+    """The planners and the ``.metadata`` unpickler as they were before they paused Python's cyclic
+    collector ([Note: no collections while planning]): the side-by-side control."""
+    from lightning_zero.checkpoint import dcp_items, integrity
+
+    saved = dcp_items.gc_paused, integrity.gc_paused
+    dcp_items.gc_paused = integrity.gc_paused = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dcp_items.gc_paused, integrity.gc_paused = saved
 
 
 @dataclass
@@ -242,11 +257,15 @@ class PlanResult:
     metadata_bytes: int
     """``.metadata`` with one storage record per written item, pickled."""
     metadata_unpickle_ms: float
-    """Unpickling those bytes as every loading rank does (the restricted unpickler of integrity.py)."""
+    """Unpickling those bytes as every loading rank does (``integrity.unpickle_metadata``)."""
+    metadata_unpickle_collector_ms: float
+    """The same with Python's collector running (:func:`collector_running`)."""
     local_load_ms: float
     """Rank 0's read plan against that ``.metadata``, loading at the same world size."""
     reshard_load_ms: float
     """The same, loading at half the world size (every target chunk overlaps two saved ones)."""
+    local_load_collector_ms: float
+    """Rank 0's read plan at the same world size with Python's collector running."""
 
 
 def rank_dcp_state(shapes: Sequence[tuple[str, tuple[int, ...]]], rank: int, world_size: int) -> dict[str, Any]:
@@ -309,6 +328,15 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
         global_plans, metadata = coordinator.create_global_plan(plans)
         global_plans = writer.prepare_global_plan(global_plans)
         global_save_ms = (time.perf_counter() - start) * 1e3
+        # The control: the same global plan (uncached) with the collector running, the rest as above.
+        control = FlatChunkSavePlanner()
+        control.set_up_planner(state_dict=rank_dcp_state(shapes, 0, world_size), storage_meta=None,
+                               is_coordinator=True)
+        with collector_running():
+            start = time.perf_counter()
+            writer.prepare_global_plan(control.create_global_plan(plans)[0])
+            global_save_collector_ms = (time.perf_counter() - start) * 1e3
+        del control
         # DCP's plan caches are class attributes, one entry per key: in this one process only rank 0
         # may fill the local ones, as its own process would.
         coordinator.finish_plan(global_plans[0])
@@ -329,7 +357,7 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
     forget_plans(key)  # the next simulated world has other plans: free these
     return PlannedSave(shapes, plans, global_plans, metadata,
                        SavePlanTimes(len(coordinator.state_dict), local_save_ms, global_save_ms, cached_local_save_ms,
-                                     cached_global_save_ms, cached_gathered_bytes))
+                                     cached_global_save_ms, cached_gathered_bytes, global_save_collector_ms))
 
 
 def simulate_planning(world_size: int, blocks: int) -> PlanResult:
@@ -339,7 +367,7 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from lightning_zero.checkpoint.dcp_items import FlatChunkLoadPlanner, chunk_bytes
-    from lightning_zero.checkpoint.integrity import _MetadataUnpickler
+    from lightning_zero.checkpoint.integrity import unpickle_metadata
 
     planned = plan_save(world_size, blocks)
     local_plan_bytes = len(pickle.dumps(planned.plans[0]))
@@ -356,9 +384,12 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
                         planner_data=planned.metadata.planner_data, storage_data=storage)
     raw_metadata = pickle.dumps(metadata)
     metadata_bytes = len(raw_metadata)
-    start = time.perf_counter()
-    _MetadataUnpickler(io.BytesIO(raw_metadata)).load()
-    metadata_unpickle_ms = (time.perf_counter() - start) * 1e3
+    unpickle_ms = []
+    for control in (False, True):
+        with collector_running() if control else contextlib.nullcontext():
+            start = time.perf_counter()
+            unpickle_metadata(raw_metadata)
+            unpickle_ms.append((time.perf_counter() - start) * 1e3)
     del raw_metadata
 
     def load_plan_ms(load_world_size: int) -> float:
@@ -369,10 +400,14 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
         planner.create_local_plan()
         return (time.perf_counter() - start) * 1e3
 
+    local_load_ms = load_plan_ms(world_size)
+    with collector_running():
+        local_load_collector_ms = load_plan_ms(world_size)
     return PlanResult(world_size=world_size, tensors=len(planned.shapes), save=planned.times,
                       local_plan_bytes=local_plan_bytes, gathered_bytes=gathered_bytes, metadata_bytes=metadata_bytes,
-                      metadata_unpickle_ms=metadata_unpickle_ms,
-                      local_load_ms=load_plan_ms(world_size), reshard_load_ms=load_plan_ms(max(1, world_size // 2)))
+                      metadata_unpickle_ms=unpickle_ms[0], metadata_unpickle_collector_ms=unpickle_ms[1],
+                      local_load_ms=local_load_ms, reshard_load_ms=load_plan_ms(max(1, world_size // 2)),
+                      local_load_collector_ms=local_load_collector_ms)
 
 
 def planning_report(results: list[PlanResult]) -> list[str]:
@@ -394,6 +429,22 @@ def planning_report(results: list[PlanResult]) -> list[str]:
                      f" {r.save.cached_gathered_bytes / 1024:.0f} | {r.local_load_ms:.1f} | {r.reshard_load_ms:.1f} |"
                      f" {r.metadata_unpickle_ms:.0f} | {2 * r.world_size * r.metadata_bytes / 1e6:,.0f} /"
                      f" {r.metadata_bytes / 1e6:.1f} |")
+    lines += [
+        "",
+        "The collector paused while DCP's plans and `.metadata` are made ([Note: no collections while planning]),"
+        " against the same work with it running, in the same run:",
+        "",
+        "| world size | tensors | coordinator's global plan ms: paused / running | ratio | unpickle `.metadata` ms:"
+        " paused / running | ratio | rank's load plan ms: paused / running | ratio |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.world_size} | {r.tensors} | {r.save.global_save_ms:,.0f} / {r.save.global_save_collector_ms:,.0f} |"
+            f" {r.save.global_save_ms / r.save.global_save_collector_ms:.2f}x |"
+            f" {r.metadata_unpickle_ms:,.0f} / {r.metadata_unpickle_collector_ms:,.0f} |"
+            f" {r.metadata_unpickle_ms / r.metadata_unpickle_collector_ms:.2f}x |"
+            f" {r.local_load_ms:,.1f} / {r.local_load_collector_ms:,.1f} | {r.local_load_ms / r.local_load_collector_ms:.2f}x |")
     by_tensors: dict[int, list[PlanResult]] = {}
     for r in results:
         by_tensors.setdefault(r.tensors, []).append(r)

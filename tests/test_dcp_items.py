@@ -4,6 +4,7 @@ the same placement would give it, and the files they make are ordinary DCP check
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -191,3 +192,68 @@ def test_a_sharded_save_writes_one_file_per_writer_thread_each_holding_part_of_t
     target = {name: FlatShard(torch.zeros(shard.local.numel()), shard.shape, 0, 1) for name, shard in state.items()}
     load(target, path)
     assert all(torch.equal(target[name].local, state[name].local) for name in state)
+
+
+# ---- [Note: no collections while planning] -------------------------------------------------
+
+
+def test_gc_paused_nests_across_threads_and_restores_what_it_found() -> None:
+    import gc
+    import threading
+
+    from lightning_zero.checkpoint.dcp_items import gc_paused
+
+    assert gc.isenabled()
+    inner_entered, outer_left = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def other_thread() -> None:
+        with gc_paused():
+            inner_entered.set()
+            outer_left.wait(10)
+            seen.append(gc.isenabled())  # the first pause ended, this one has not
+
+    thread = threading.Thread(target=other_thread)
+    with gc_paused():
+        assert not gc.isenabled()
+        thread.start()
+        inner_entered.wait(10)
+    outer_left.set()
+    thread.join(10)
+    assert seen == [False]
+    assert gc.isenabled()
+    gc.disable()  # the user's own choice stays
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    from lightning_zero.checkpoint import integrity
+    from lightning_zero.checkpoint.dcp_items import FlatChunkLoadPlanner, FlatChunkSavePlanner
+
+    enabled: dict[str, bool] = {}
+    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan",
+                        lambda self, plans: enabled.setdefault("global save plan", gc.isenabled()))
+    monkeypatch.setattr(DefaultLoadPlanner, "create_local_plan",
+                        lambda self: enabled.setdefault("load plan", gc.isenabled()))
+    find_class = integrity._MetadataUnpickler.find_class
+
+    def recording(self: Any, module: str, name: str) -> Any:
+        enabled.setdefault("unpickling .metadata", gc.isenabled())
+        return find_class(self, module, name)
+
+    monkeypatch.setattr(integrity._MetadataUnpickler, "find_class", recording)
+    FlatChunkSavePlanner().create_global_plan([])
+    FlatChunkLoadPlanner().create_local_plan()
+    integrity.unpickle_metadata(pickle.dumps(torch.Size([2, 3])))
+    assert enabled == {"global save plan": False, "load plan": False, "unpickling .metadata": False}
+    assert gc.isenabled()

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.dcp_items import gc_paused
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.tree import walk
 
@@ -412,6 +413,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
+def unpickle_metadata(raw: bytes) -> Any:
+    """DCP's ``.metadata`` from its bytes, with :class:`_MetadataUnpickler`, the collector paused
+    ([Note: no collections while planning] in dcp_items.py: 1.2M records at 1024 ranks)."""
+    with gc_paused():
+        return _MetadataUnpickler(io.BytesIO(raw)).load()
+
+
 def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
     """A subclass of DCP reader class ``base`` that reads ``.metadata`` with a restricted unpickler
     and checks each item's CRC32 before DCP deserializes it. ``require()`` says whether an item
@@ -445,7 +453,7 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
                 if raw is None:
                     raw = self.metadata_bytes(rank)
                 try:
-                    metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+                    metadata = unpickle_metadata(raw)
                 except Exception as exc:
                     raise CheckpointCorruptError(
                         f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc});"
