@@ -388,7 +388,7 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     for control in (False, True):
         with collector_running() if control else contextlib.nullcontext():
             start = time.perf_counter()
-            unpickle_metadata(raw_metadata)
+            unpickle_metadata(raw_metadata, "simulated")
             unpickle_ms.append((time.perf_counter() - start) * 1e3)
     del raw_metadata
 

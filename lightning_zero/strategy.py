@@ -357,8 +357,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
-            if engine is None:  # rank 0 reads a sharded checkpoint's .metadata for all ([Note: shared metadata])
-                with saver.shared_metadata(storage.resolve(candidate, options)):
+            if engine is None:
+                # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads a
+                # sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
+                sharing = saver.shared_metadata(storage.resolve(candidate, options)) if isinstance(
+                    io, ZeroCheckpointIO) else contextlib.nullcontext()
+                with sharing:
                     return ckpt_trainer.load_weights(module, candidate, options)
             return ckpt_trainer.load_zero_state_local(engine, module, candidate, options)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from lightning_cases import NetModule, loader
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroLowLevelStrategy
-from lightning_zero.checkpoint import ZeroCheckpointIO, load, save
+from lightning_zero.checkpoint import ZeroCheckpointIO, async_save, load, save
 from lightning_zero.checkpoint import state as ckpt_state
 
 MODES = ("local", "sharded", "full")
@@ -438,8 +439,11 @@ def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
 
 
 @contextmanager
-def metadata_opens() -> Iterator[list[str]]:
-    """The DCP ``.metadata`` files this process opens for reading (local file systems) while inside."""
+def metadata_opens(fail: bool = False) -> Iterator[list[str]]:
+    """The DCP ``.metadata`` files this process opens for reading (local file systems) while inside;
+    with ``fail``, each such open fails like an unreadable file."""
+    import errno
+
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     opened: list[str] = []
@@ -449,6 +453,8 @@ def metadata_opens() -> Iterator[list[str]]:
     def counted(self: Any, path: Any, mode: str) -> Iterator[Any]:
         if str(path).endswith(".metadata") and "r" in mode:
             opened.append(str(path))
+            if fail:
+                raise OSError(errno.EIO, "Input/output error", str(path))
         with original(self, path, mode) as stream:
             yield stream
 
@@ -482,6 +488,53 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
             out[kind] = {"reads": len(opened), "loaded": gather_full_state(fresh)}
             fresh.close()
+    # A save still in flight when a load starts: the load finalizes it first (its background
+    # collectives share the coordination group with the load's broadcast).
+    from lightning_zero.checkpoint import storage
+
+    model, engine = build(rank, world_size)
+    train(model, engine, range(SAVED_AT_STEP + 1), rank, world_size)
+    original = storage.WritebackFileSystem.create_stream
+
+    @contextmanager
+    def slowly(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        # Rank 0 is still writing when the load starts while rank 1 already waits in the save's
+        # gather of results: the two ranks would meet the group's collectives in different orders.
+        if rank == 0:
+            time.sleep(0.5)
+        with original(self, path, mode) as stream:
+            yield stream
+
+    storage.WritebackFileSystem.create_stream = slowly  # type: ignore[method-assign]
+    try:
+        async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/in-flight.ckpt", mode="sharded")
+        in_flight = gather_full_state(engine)
+        engine.close()
+        fresh_model, fresh = build(rank, world_size, perturb=1.0)
+        ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+    finally:
+        storage.WritebackFileSystem.create_stream = original  # type: ignore[method-assign]
+    out["in_flight"] = {"loaded": gather_full_state(fresh), "saved": in_flight}
+    fresh.close()
+    fresh_model, fresh = build(rank, world_size, perturb=1.0)
+    ckpt_trainer.load_zero_state_dict(fresh, fresh_model, f"{root}/in-flight.ckpt")
+    out["in_flight"]["loaded_later"] = gather_full_state(fresh)
+    fresh.close()
+    # Only one rank cannot read .metadata: the coordinator (every rank fails with its error), or
+    # another rank (it never reads it: the load succeeds).
+    for failing in (0, 1):
+        fresh_model, fresh = build(rank, world_size, perturb=1.0)
+        before = params(fresh_model)
+        with metadata_opens(fail=rank == failing) as opened:
+            try:
+                ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+            except Exception as exc:  # noqa: BLE001 - the error under test
+                error: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+            else:
+                error = {"error": None, "loaded": gather_full_state(fresh)}
+        error.update(opens=len(opened), untouched=all(torch.equal(before[n], p) for n, p in params(fresh_model).items()))
+        out[f"unreadable_on_{failing}"] = error
+        fresh.close()
     dist.barrier()
     if rank == 0:
         (metadata,) = Path(root).glob("_zero_data/sharded.ckpt/*/.metadata")
@@ -498,3 +551,13 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["missing"]["untouched"] = all(torch.equal(before[n], p) for n, p in params(fresh_model).items())
     fresh.close()
     return out
+
+
+def load_with_options(rank: int, world_size: int, path: str, state_names: list[str],
+                      storage_options: dict[str, Any]) -> dict[str, Any]:
+    """Load ``path`` into a fresh engine through ``storage_options``; the full state it then holds."""
+    model, engine = build(rank, world_size, perturb=1.0)
+    load_into(engine, model, path, state_names, storage_options)
+    loaded = gather_full_state(engine)
+    engine.close()
+    return loaded

@@ -254,6 +254,8 @@ def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypa
     monkeypatch.setattr(integrity._MetadataUnpickler, "find_class", recording)
     FlatChunkSavePlanner().create_global_plan([])
     FlatChunkLoadPlanner().create_local_plan()
-    integrity.unpickle_metadata(pickle.dumps(torch.Size([2, 3])))
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    integrity.unpickle_metadata(pickle.dumps(Metadata(state_dict_metadata={})), "ckpt")
     assert enabled == {"global save plan": False, "load plan": False, "unpickling .metadata": False}
     assert gc.isenabled()

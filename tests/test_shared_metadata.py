@@ -35,3 +35,31 @@ def test_metadata_the_coordinator_cannot_read_fails_every_rank_and_loads_nothing
         assert error is not None and "CheckpointCorruptError" in error, (rank, error)
         assert "is committed but its DCP metadata is missing" in error, (rank, error)
         assert result["missing"]["untouched"], rank
+
+
+def test_a_load_finalizes_a_save_still_in_flight_first(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert_same_state(result["in_flight"]["loaded"], results[0]["saved"], f"the load, rank {rank}")
+        assert_same_state(result["in_flight"]["loaded_later"], result["in_flight"]["saved"],
+                          f"the save that was in flight, rank {rank}")
+
+
+def test_a_coordinator_that_cannot_read_the_metadata_fails_every_rank_with_its_error(
+        results: list[dict[str, Any]]) -> None:
+    errors = [result["unreadable_on_0"] for result in results]
+    assert [e["opens"] for e in errors] == [1, 0]  # rank 1 fails without touching the file
+    for rank, error in enumerate(errors):
+        assert error["error"] is not None and error["error"].startswith("OSError: Could not read checkpoint"), error
+        assert "Input/output error" in error["error"], error
+        assert error["untouched"], rank
+    assert errors[1]["error"] == errors[0]["error"]
+    assert any("rank 0 read this checkpoint's .metadata for every rank" in note for note in errors[1]["notes"])
+
+
+def test_a_rank_that_cannot_read_the_metadata_still_loads_it_from_the_coordinator(
+        results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        loaded = result["unreadable_on_1"]
+        assert loaded["error"] is None, loaded["error"]
+        assert_same_state(loaded["loaded"], results[0]["saved"], f"rank {rank}")
+    assert [result["unreadable_on_1"]["opens"] for result in results] == [1, 0]

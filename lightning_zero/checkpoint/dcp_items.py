@@ -342,6 +342,8 @@ the checksumming file system (``integrity.checksumming_writer``) records a data 
 (creating it, writing it, its fsync or close) instead of raising it, every thread runs to its end,
 and ``write_data`` then raises the first one; a planned item without a result fails the save too.
 Once one file has failed, the other threads' next writes fail too (``integrity.SaveAbandoned``), so
-they end within one write instead of writing (on S3: uploading) the rest of a save that is lost.
+they end within one write instead of writing the rest of a save that is lost; on S3 the failed
+file and the stopped ones abort their multipart uploads (``storage.abort_upload``) rather than
+complete them at close. This holds with checksums off too (``checksums_disabled``).
 ``.metadata``, written after, fails as it comes. A KeyboardInterrupt or SystemExit in a data
 file is not kept but goes on up; it still stops the other files at their next write."""

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint import storage
 from lightning_zero.checkpoint.dcp_items import gc_paused
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.tree import walk
@@ -185,13 +186,15 @@ def check_shapes(targets: dict[str, Tensor | tuple[int, ...]], saved: dict[str, 
 
 
 class _ChecksummingStream:
-    """A write stream that splits what passes through into segments at every ``tell()``.
+    """A data file's write stream that splits what passes through into segments at every ``tell()``
+    (unless ``segments`` is None: ``checksums_disabled()``), records a failed write in ``errors``
+    and stops writing once any file of the save has failed ([Note: parallel writes] in dcp_items.py).
 
     DCP's ``_write_item`` calls ``tell()`` right before and right after each item, so the segments
     between consecutive ``tell()`` calls are exactly the items; their CRCs are kept by start offset.
     """
 
-    def __init__(self, raw: Any, segments: dict[tuple[int, int], Any], errors: list[BaseException],
+    def __init__(self, raw: Any, segments: dict[tuple[int, int], Any] | None, errors: list[BaseException],
                  own_crc: bool = True) -> None:
         self._raw = raw
         self._segments = segments  # (offset, length) -> crc32, or the zip directory's digest
@@ -204,6 +207,7 @@ class _ChecksummingStream:
 
     def write(self, data: Any) -> int:
         if self._errors:  # another file of this save failed: the save is lost, stop writing this one
+            storage.abort_upload(self._raw)
             raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
         view = memoryview(data).cast("B")
         try:
@@ -211,9 +215,12 @@ class _ChecksummingStream:
         except BaseException as exc:
             # torch.save's zip writer swallows this and raises "unexpected pos": keep the real cause.
             self._errors.append(exc)
+            storage.abort_upload(self._raw)
             raise
         count = len(view) if written is None else written
-        if self._own_crc:
+        if self._segments is None:
+            pass
+        elif self._own_crc:
             self._crc = zlib.crc32(view[:count], self._crc)
         elif count >= _LARGE_WRITE:
             self._tail.clear()
@@ -223,7 +230,7 @@ class _ChecksummingStream:
         return count
 
     def tell(self) -> int:
-        if self._position > self._start:
+        if self._segments is not None and self._position > self._start:
             self._segments[(self._start, self._position - self._start)] = self._crc if self._own_crc else (
                 _directory_digest(b"".join(self._tail)))
         self._start, self._crc = self._position, 0
@@ -274,11 +281,9 @@ class _ChecksummingFileSystem:
         try:
             with self._inner.create_stream(path, mode) as stream:
                 opened = True
-                if not _CHECKSUMS:  # checksums_disabled(): the stream as it is
-                    yield stream
-                    return
-                segments: dict[tuple[int, int], Any] = {}
-                self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = segments
+                segments: dict[tuple[int, int], Any] | None = None  # checksums_disabled(): none
+                if _CHECKSUMS:
+                    segments = self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = {}
                 # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
                 yield _ChecksummingStream(stream, segments, self.errors,
                                           own_crc=not torch.serialization.get_crc32_options())
@@ -287,7 +292,8 @@ class _ChecksummingFileSystem:
             if not any(exc is seen for seen in self.errors):
                 self.errors.append(exc)
         except (KeyboardInterrupt, SystemExit) as exc:  # goes on up, and the other files stop at their next write
-            self.errors.append(exc)
+            if not any(exc is seen for seen in self.errors):
+                self.errors.append(exc)
             raise
         if not opened:  # the file could not be created: the caller still needs a stream to fail on
             with suppress(Exception):  # the failure on it is the one already kept
@@ -413,11 +419,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-def unpickle_metadata(raw: bytes) -> Any:
-    """DCP's ``.metadata`` from its bytes, with :class:`_MetadataUnpickler`, the collector paused
-    ([Note: no collections while planning] in dcp_items.py: 1.2M records at 1024 ranks)."""
-    with gc_paused():
-        return _MetadataUnpickler(io.BytesIO(raw)).load()
+def unpickle_metadata(raw: bytes, url: str) -> Any:
+    """DCP's ``.metadata`` of checkpoint ``url`` from its bytes, with :class:`_MetadataUnpickler` and
+    the collector paused ([Note: no collections while planning] in dcp_items.py: 1.2M records at
+    1024 ranks); a clear error when the bytes are not DCP metadata."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    try:
+        with gc_paused():
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc});"
+            " the file is damaged or was crafted. Resume from another checkpoint."
+        ) from exc
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
 
 
 def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
@@ -431,9 +449,9 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._metadata_read: dict[str, Any] = {}  # path -> what read_metadata unpickled there
-            self.shared_metadata: bytes | None = None
-            """``.metadata`` as the coordinator read it for every rank ([Note: shared metadata] in
-            saver.py): used instead of reading the file."""
+            self.shared_metadata: Any = None
+            """``.metadata`` as the coordinator read it for every rank, unpickled ([Note: shared
+            metadata] in saver.py): used instead of reading the file."""
 
         def metadata_bytes(self, rank: int | None = None) -> bytes:
             """The raw bytes of ``.metadata`` (DCP's per-rank one for ``rank``), read from storage."""
@@ -441,26 +459,15 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
                 return stream.read()
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             rank = kwargs.get("rank")
             path = self._get_metadata_path(rank)
             # Read once per reader: the load checks it (save id, keys) before DCP asks for it again,
             # and at 1024 ranks it is ~110 MB (bench/scale.py).
             metadata = self._metadata_read.get(str(path))
             if metadata is None:
-                raw = self.shared_metadata if rank is None else None
-                if raw is None:
-                    raw = self.metadata_bytes(rank)
-                try:
-                    metadata = unpickle_metadata(raw)
-                except Exception as exc:
-                    raise CheckpointCorruptError(
-                        f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc});"
-                        " the file is damaged or was crafted. Resume from another checkpoint."
-                    ) from exc
-                if getattr(metadata, "storage_meta", None) is None:
-                    metadata.storage_meta = StorageMeta()
+                metadata = self.shared_metadata if rank is None else None
+                if metadata is None:
+                    metadata = unpickle_metadata(self.metadata_bytes(rank), url)
                 self._metadata_read[str(path)] = metadata
             metadata.storage_meta.load_id = self.load_id  # DCP's reset() gives every load its own
             return metadata

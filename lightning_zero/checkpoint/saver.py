@@ -192,12 +192,14 @@ def _all_gather_objects(value: Any, group: Any) -> list[Any]:
     return out
 
 
-def peer_lost(exc: BaseException) -> RuntimeError:
+def peer_lost(exc: BaseException, loading: bool = False) -> RuntimeError:
     """The error for a checkpoint collective that another rank never completed."""
+    outcome = ("Nothing was loaded" if loading else
+               "Nothing of this checkpoint is committed unless rank 0 wrote its marker")
     return RuntimeError(
         f"rank {_world()[0]}: lost contact with another rank in a checkpoint collective: a peer process died or"
-        f" stopped answering within the process group timeout ({process_group_timeout()}). Nothing of this checkpoint"
-        f" is committed unless rank 0 wrote its marker; check the other ranks' logs. ({type(exc).__name__}: {exc})"
+        f" stopped answering within the process group timeout ({process_group_timeout()}). {outcome}; check the"
+        f" other ranks' logs. ({type(exc).__name__}: {exc})"
     )
 
 
@@ -611,11 +613,7 @@ def _torch_save_to(loc: Location, path: str, obj: Any) -> None:
         try:
             _save_keeping_write_errors(obj, f)
         except BaseException:
-            # fsspec's close() would finish the upload of the partial file (and retry against a store
-            # that stopped answering): abort the multipart upload instead.
-            with contextlib.suppress(Exception):
-                f.discard()
-            f.closed = True
+            storage.abort_upload(f)
             raise
         f.close()
 
@@ -931,14 +929,17 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
 # A ``sharded`` checkpoint's ``.metadata`` lists every item of every rank: ~110 MB at 1024 ranks
 # (bench/scale.py). Were every rank to read it, a resume would read it 1024 times from the shared
 # file system or bucket (twice over in the Trainer's resume, whose key check reads it too). One
-# rank (the team's coordinator) reads it and broadcasts the bytes over the coordination group; every
-# rank unpickles and checks them itself, as it would the file. The broadcast comes first, where
-# every rank is, before anything that may fail on one rank only, so no rank waits in it for a rank
-# that has left: a failed read there (no marker, no .metadata, an unreachable bucket) is raised on
-# every rank. The other files (marker, objects file, data) are read by each rank as before.
-_SHARED_METADATA: dict[tuple[str, tuple[int, ...]], tuple[str, bytes] | None] = {}
-"""(url, the team's ranks) -> (version directory, its ``.metadata`` bytes), or None where the checkpoint
-is not ``sharded``; held for the duration of :func:`shared_metadata`."""
+# rank (the team's coordinator) reads it and broadcasts the bytes over the coordination group;
+# every rank unpickles them once (restricted, as the file would be) and its DCP readers use that
+# ``Metadata`` for the rest of the load. The broadcast comes first, where every rank is, before
+# anything that may fail on one rank only, so no rank waits in it for a rank that has left: a
+# failed read there (no marker, no .metadata, an unreachable bucket) is raised on every rank, with
+# a note naming the rank that read. A save still in flight is finalized first: its background
+# collectives run over the same group. The other files (marker, objects file, data) are read by
+# each rank as before.
+_SHARED_METADATA: dict[tuple[str, tuple[int, ...]], tuple[str, Any] | None] = {}
+"""(url, the team's ranks) -> (version directory, its unpickled ``.metadata``), or None where the
+checkpoint is not ``sharded``; held for the duration of :func:`shared_metadata`."""
 
 
 @contextlib.contextmanager
@@ -946,6 +947,7 @@ def shared_metadata(loc: Location, team: _Team | None = None) -> Iterator[None]:
     """(collective over the team when it has more than one rank) Within it, the DCP readers of
     ``loc`` use ``.metadata`` as the team's coordinator read it ([Note: shared metadata]). Nested
     uses for the same checkpoint and team share once."""
+    maybe_finalize_async_calls(blocking=True)
     team = team if team is not None else _team()
     key = (loc.url, team.global_ranks)
     if team.world_size == 1 or key in _SHARED_METADATA:
@@ -957,18 +959,25 @@ def shared_metadata(loc: Location, team: _Team | None = None) -> Iterator[None]:
         try:
             read = _read_metadata_bytes(loc)
         except Exception as exc:
-            error = exc
-    payload = [(read, _sendable(error))]
+            error = _sendable(exc)
+    payload = [(read, error)]
     try:
         dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
     except Exception as exc:  # gloo: a peer died or froze
-        raise peer_lost(exc) from exc
+        if error is not None:  # the cause, which the others may have timed out waiting for
+            raise error from exc
+        raise peer_lost(exc, loading=True) from exc
     if error is not None:
         raise error
     read, received = payload[0]
+    del payload
     if received is not None:
+        received.add_note(f"rank {team.coordinator_global} read this checkpoint's .metadata for every rank"
+                          " ([Note: shared metadata]).")
         raise received
-    _SHARED_METADATA[key] = read
+    # Unpickled here, once, on every rank (the same bytes fail the same way everywhere); the bytes go.
+    _SHARED_METADATA[key] = None if read is None else (read[0], integrity.unpickle_metadata(read[1], loc.url))
+    del read
     try:
         yield
     finally:
@@ -981,18 +990,28 @@ def _read_metadata_bytes(loc: Location) -> tuple[str, bytes] | None:
     if marker is None or validate_marker_mode(loc, marker) != "sharded":
         return None
     version_dir = _check_version_dir(loc, marker)
+    reader = _dcp_reader(loc, version_dir)
     with _reading_dcp_metadata(loc):
-        return version_dir, _dcp_reader(loc, version_dir).metadata_bytes()
+        return version_dir, reader.metadata_bytes()
 
 
-def _sendable(error: BaseException | None) -> BaseException | None:
-    """``error`` if it survives pickling (to other ranks), else a RuntimeError with its text."""
-    if error is None:
-        return None
+def _shared_metadata_of(loc: Location, version_dir: str) -> Any:
+    """The ``Metadata`` :func:`shared_metadata` holds for ``version_dir`` of ``loc``, or None."""
+    for (url, _), shared in _SHARED_METADATA.items():
+        if shared is not None and url == loc.url and shared[0] == version_dir:
+            return shared[1]
+    return None
+
+
+def _sendable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (to other ranks), else a RuntimeError with its text (raised
+    on the coordinator too, so every rank raises the same type)."""
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:  # noqa: BLE001 - an exception class that does not pickle
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        converted = RuntimeError(f"{type(error).__name__}: {error}")
+        converted.__cause__ = error
+        return converted
     return error
 
 
@@ -1275,9 +1294,7 @@ def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False
         reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
         _same_retries(reader, loc)
-    # [Note: shared metadata]: inside shared_metadata(), the bytes the coordinator read.
-    reader.shared_metadata = next((raw for shared_dir, raw in filter(None, _SHARED_METADATA.values())
-                                   if shared_dir == version_dir), None)
+    reader.shared_metadata = _shared_metadata_of(loc, version_dir)  # [Note: shared metadata]
     return reader
 
 

@@ -17,6 +17,7 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import io
@@ -140,6 +141,18 @@ def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     else:
         hint = "see the cause below"
     return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
+
+
+def abort_upload(f: Any) -> None:
+    """Give up an object-store file being written: abort its multipart upload, so that its
+    ``close()`` neither finishes the upload of a partial file nor retries against a store that
+    stopped answering. (A local file has no ``discard``: nothing to do.)"""
+    discard = getattr(f, "discard", None)
+    if discard is None:
+        return
+    with contextlib.suppress(Exception):
+        discard()
+    f.closed = True
 
 
 # ---- local files: writeback started while writing -------------------------------------------

@@ -4,6 +4,7 @@ values, and nothing of the failed attempt is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import threading
@@ -18,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, save_with_failing_rank
 from fault_cases import MODES, tree
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_zero.checkpoint import (
     CheckpointSaveError,
@@ -274,19 +274,70 @@ def test_a_full_disk_while_dcp_writes_its_metadata_fails_the_save(tmp_path: Path
     assert files(tmp_path) == committed
 
 
-def test_an_interrupt_in_one_data_file_stops_the_others_at_their_next_write(tmp_path: Path) -> None:
-    # A KeyboardInterrupt (or SystemExit) on the thread writing one file goes on up, and the
-    # thread writing the other file stops at its next write instead of finishing it.
+class _Upload:
+    """An object-store file being written: ``discard`` aborts it (fsspec's buffered files have one)."""
+
+    def __init__(self, fails_with: BaseException | None) -> None:
+        self.data = bytearray()
+        self.fails_with = fails_with
+        self.discarded = False
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        if self.fails_with is not None:
+            raise self.fails_with
+        self.data += bytes(data)
+        return len(data)
+
+    def discard(self) -> None:
+        self.discarded = True
+
+
+class _Uploads:
+    def __init__(self, failing: str, fails_with: BaseException) -> None:
+        self.files: dict[str, _Upload] = {}
+        self._failing, self._fails_with = failing, fails_with
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[_Upload]:
+        self.files[str(path)] = upload = _Upload(self._fails_with if str(path) == self._failing else None)
+        yield upload
+
+
+@pytest.mark.parametrize("fails_with", [KeyboardInterrupt(), disk_full()], ids=["interrupt", "disk-full"])
+def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fails_with: BaseException) -> None:
+    # A failed write (kept; a KeyboardInterrupt or SystemExit also goes on up) aborts that file's
+    # upload, and the file another thread writes stops at its next write and aborts its upload too,
+    # instead of writing (or uploading) the rest of a save that is lost.
     from lightning_zero.checkpoint import integrity
 
-    fs = integrity._ChecksummingFileSystem(storage.WritebackFileSystem(FileSystem()))
+    uploads = _Uploads("failing.distcp", fails_with)
+    fs = integrity._ChecksummingFileSystem(uploads)
     fs.keep_errors = True
-    with fs.create_stream(tmp_path / "other.distcp", "wb") as other:
+    with fs.create_stream("other.distcp", "wb") as other:
         other.write(b"before")
-        with pytest.raises(KeyboardInterrupt), fs.create_stream(tmp_path / "interrupted.distcp", "wb") as stream:
-            stream.write(b"some")
-            raise KeyboardInterrupt
+        with contextlib.suppress(KeyboardInterrupt), fs.create_stream("failing.distcp", "wb") as failing:
+            failing.write(b"some")
         with pytest.raises(integrity.SaveAbandoned, match="another file of this save failed first"):
             other.write(b"after")
-    assert isinstance(fs.errors[0], KeyboardInterrupt)
-    assert (tmp_path / "other.distcp").read_bytes() == b"before"
+    assert fs.errors[0] is fails_with
+    assert uploads.files["failing.distcp"].discarded and uploads.files["failing.distcp"].closed
+    assert uploads.files["other.distcp"].discarded and uploads.files["other.distcp"].closed
+    assert bytes(uploads.files["other.distcp"].data) == b"before"
+
+
+def test_with_checksums_off_a_full_disk_still_fails_with_its_cause_and_stops_the_other_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # checksums_disabled() (bench/checkpoint.py --integrity) writes no CRCs but keeps the failure
+    # handling: the cause, not torch's "unexpected pos", and the other file stops.
+    from lightning_zero.checkpoint import integrity
+
+    path = tmp_path / "last.ckpt"
+    save(tree(1.0), str(path), mode="sharded")
+    with monkeypatch.context() as patch, integrity.checksums_disabled():
+        fail_one_file(patch, "__0_0.distcp", "__0_1.distcp")
+        async_save(tree(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=DISK_FULL):
+            maybe_finalize_async_calls(blocking=True)
+    assert FAILED.is_set() and _SlowStream.writes_after_failure <= 1, _SlowStream.writes_after_failure
+    assert loaded_value(path) == 1.0
