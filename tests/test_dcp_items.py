@@ -259,3 +259,27 @@ def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypa
     integrity.unpickle_metadata(pickle.dumps(Metadata(state_dict_metadata={})), "ckpt")
     assert enabled == {"global save plan": False, "load plan": False, "unpickling .metadata": False}
     assert gc.isenabled()
+
+
+def test_a_process_forked_during_a_pause_starts_with_the_collector_as_it_was() -> None:
+    # A DataLoader worker forked while the background thread plans a save has no thread to end
+    # the pause: it starts with the collector on, and can pause and resume it itself.
+    import gc
+    import os
+
+    from lightning_zero.checkpoint.dcp_items import gc_paused
+
+    read_end, write_end = os.pipe()
+    with gc_paused():
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's cleanup
+            enabled = gc.isenabled()
+            with gc_paused():
+                paused = not gc.isenabled()
+            os.write(write_end, bytes([enabled, paused, gc.isenabled()]))
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 3) == bytes([True, True, True])
+    os.close(read_end)
+    os.close(write_end)
+    assert gc.isenabled()

@@ -97,6 +97,20 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def _reset_gc_pause_after_fork() -> None:
+    """A process forked during a pause (a DataLoader worker while the background thread plans) has
+    no thread to end it: it starts with no pause and the collector as it was before."""
+    global _gc_lock, _gc_pauses
+    _gc_lock = threading.Lock()
+    if _gc_pauses:
+        _gc_pauses = 0
+        if _gc_was_enabled:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_reset_gc_pause_after_fork)
+
+
 # [Note: no collections while planning]
 # DCP's plans and `.metadata` are millions of small objects at scale (1.2M items at 1024 ranks of
 # a 291-tensor model, each a dataclass holding torch.Size values). Building them (the coordinator's

@@ -284,9 +284,13 @@ class _ChecksummingFileSystem:
                 segments: dict[tuple[int, int], Any] | None = None  # checksums_disabled(): none
                 if _CHECKSUMS:
                     segments = self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = {}
-                # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
-                yield _ChecksummingStream(stream, segments, self.errors,
-                                          own_crc=not torch.serialization.get_crc32_options())
+                try:
+                    # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
+                    yield _ChecksummingStream(stream, segments, self.errors,
+                                              own_crc=not torch.serialization.get_crc32_options())
+                except BaseException:  # the file is lost whatever failed: its close must not complete an upload
+                    storage.abort_upload(stream)
+                    raise
                 return
         except Exception as exc:  # noqa: BLE001 - kept, raised by write_data
             if not any(exc is seen for seen in self.errors):
@@ -428,6 +432,8 @@ def unpickle_metadata(raw: bytes, url: str) -> Any:
     try:
         with gc_paused():
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except MemoryError:  # this rank's memory, not the file
+        raise
     except Exception as exc:
         raise CheckpointCorruptError(
             f"'.metadata' of checkpoint {url!r} is not valid DCP metadata ({type(exc).__name__}: {exc});"

@@ -15,7 +15,7 @@ Call order (every rank makes each call unless marked):
    collectives and deadlock), then (coordinator) rank 0 writes the commit marker and runs the
    removals queued behind this save (see [Note: checkpoint layout] in storage.py).
 5. ``maybe_finalize_async_calls(blocking=True)``: waits, raising the background error with the
-   path and the cause. Called by the next save and at teardown.
+   path and the cause. Called by the next save, by every load and at teardown.
 """
 
 from __future__ import annotations
@@ -965,15 +965,16 @@ def shared_metadata(loc: Location, team: _Team | None = None) -> Iterator[None]:
         dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
     except Exception as exc:  # gloo: a peer died or froze
         if error is not None:  # the cause, which the others may have timed out waiting for
-            raise error from exc
+            _add_note(error, f"Sending it to the other ranks failed too: {type(exc).__name__}: {exc}")
+            raise error  # noqa: B904 - its own cause (the storage error) stays; exc is its context
         raise peer_lost(exc, loading=True) from exc
     if error is not None:
         raise error
     read, received = payload[0]
     del payload
     if received is not None:
-        received.add_note(f"rank {team.coordinator_global} read this checkpoint's .metadata for every rank"
-                          " ([Note: shared metadata]).")
+        _add_note(received, f"rank {team.coordinator_global} read this checkpoint's .metadata for every rank"
+                            " ([Note: shared metadata]).")
         raise received
     # Unpickled here, once, on every rank (the same bytes fail the same way everywhere); the bytes go.
     _SHARED_METADATA[key] = None if read is None else (read[0], integrity.unpickle_metadata(read[1], loc.url))
@@ -1001,6 +1002,12 @@ def _shared_metadata_of(loc: Location, version_dir: str) -> Any:
         if shared is not None and url == loc.url and shared[0] == version_dir:
             return shared[1]
     return None
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where Python has it (3.11+)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _sendable(error: BaseException) -> BaseException:

@@ -152,7 +152,8 @@ def abort_upload(f: Any) -> None:
         return
     with contextlib.suppress(Exception):
         discard()
-    f.closed = True
+    with contextlib.suppress(AttributeError):  # a file whose ``closed`` is read-only
+        f.closed = True
 
 
 # ---- local files: writeback started while writing -------------------------------------------

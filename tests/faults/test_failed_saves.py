@@ -326,6 +326,21 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     assert bytes(uploads.files["other.distcp"].data) == b"before"
 
 
+def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:
+    # An fsync, close or item that fails after the writes went through: the file is lost all the
+    # same, and its close must not complete the upload.
+    from lightning_zero.checkpoint import integrity
+
+    uploads = _Uploads("none", disk_full())
+    fs = integrity._ChecksummingFileSystem(uploads)
+    fs.keep_errors = True
+    with fs.create_stream("file.distcp", "wb") as stream:
+        stream.write(b"all of it")
+        raise disk_full()  # as DCP's os.fsync would, inside the stream's block
+    assert isinstance(fs.errors[0], OSError)
+    assert uploads.files["file.distcp"].discarded and uploads.files["file.distcp"].closed
+
+
 def test_with_checksums_off_a_full_disk_still_fails_with_its_cause_and_stops_the_other_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # checksums_disabled() (bench/checkpoint.py --integrity) writes no CRCs but keeps the failure
