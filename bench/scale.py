@@ -235,14 +235,13 @@ class SavePlanTimes:
 def collector_running() -> Iterator[None]:
     """The planners and the ``.metadata`` unpickler as they were before they paused Python's cyclic
     collector ([Note: no collections while planning]): the side-by-side control."""
-    from lightning_zero.checkpoint import dcp_items, integrity
+    from lightning_zero.checkpoint import dcp_items
 
-    saved = dcp_items.gc_paused, integrity.gc_paused
-    dcp_items.gc_paused = integrity.gc_paused = contextlib.nullcontext  # type: ignore[assignment]
+    dcp_items.PAUSE_GC = False
     try:
         yield
     finally:
-        dcp_items.gc_paused, integrity.gc_paused = saved
+        dcp_items.PAUSE_GC = True
 
 
 @dataclass

@@ -523,34 +523,34 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # Only one rank cannot read .metadata: the coordinator (every rank fails with its error), or
     # another rank (it never reads it: the load succeeds).
     for failing in (0, 1):
-        fresh_model, fresh = build(rank, world_size, perturb=1.0)
-        before = params(fresh_model)
         with metadata_opens(fail=rank == failing) as opened:
-            try:
-                ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
-            except Exception as exc:  # noqa: BLE001 - the error under test
-                error: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
-            else:
-                error = {"error": None, "loaded": gather_full_state(fresh)}
-        error.update(opens=len(opened), untouched=all(torch.equal(before[n], p) for n, p in params(fresh_model).items()))
-        out[f"unreadable_on_{failing}"] = error
-        fresh.close()
+            out[f"unreadable_on_{failing}"] = resume_outcome(rank, world_size, path)
+        out[f"unreadable_on_{failing}"]["opens"] = len(opened)
     dist.barrier()
     if rank == 0:
         (metadata,) = Path(root).glob("_zero_data/sharded.ckpt/*/.metadata")
         metadata.unlink()
     dist.barrier()
-    fresh_model, fresh = build(rank, world_size, perturb=1.0)
-    before = params(fresh_model)
-    try:
-        ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
-    except Exception as exc:  # noqa: BLE001 - the error under test
-        out["missing"] = {"error": f"{type(exc).__name__}: {exc}"}
-    else:
-        out["missing"] = {"error": None}
-    out["missing"]["untouched"] = all(torch.equal(before[n], p) for n, p in params(fresh_model).items())
-    fresh.close()
+    out["missing"] = resume_outcome(rank, world_size, path)
     return out
+
+
+def resume_outcome(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """A fresh engine resumed from ``path`` (``load_zero_state_dict``): the error (its text and notes)
+    or the state loaded, and whether a failed load left the model's weights untouched."""
+    from lightning_zero.checkpoint import trainer as ckpt_trainer
+
+    model, engine = build(rank, world_size, perturb=1.0)
+    before = params(model)
+    try:
+        ckpt_trainer.load_zero_state_dict(engine, model, path)
+    except Exception as exc:  # noqa: BLE001 - the error under test
+        outcome: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+    else:
+        outcome = {"error": None, "loaded": gather_full_state(engine)}
+    outcome["untouched"] = all(torch.equal(before[n], p) for n, p in params(model).items())
+    engine.close()
+    return outcome
 
 
 def load_with_options(rank: int, world_size: int, path: str, state_names: list[str],

@@ -206,7 +206,7 @@ class _ChecksummingStream:
         self._tail: list[bytes] = []  # the small writes since the last large one (the zip directory)
 
     def write(self, data: Any) -> int:
-        if self._errors:  # another file of this save failed: the save is lost, stop writing this one
+        if self._errors:  # another file of this save failed: the save is lost, give this one up
             storage.abort_upload(self._raw)
             raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
         view = memoryview(data).cast("B")
@@ -215,17 +215,15 @@ class _ChecksummingStream:
         except BaseException as exc:
             # torch.save's zip writer swallows this and raises "unexpected pos": keep the real cause.
             self._errors.append(exc)
-            storage.abort_upload(self._raw)
             raise
         count = len(view) if written is None else written
-        if self._segments is None:
-            pass
-        elif self._own_crc:
-            self._crc = zlib.crc32(view[:count], self._crc)
-        elif count >= _LARGE_WRITE:
-            self._tail.clear()
-        else:
-            self._tail.append(bytes(view[:count]))
+        if self._segments is not None:  # checksums_disabled(): no segments
+            if self._own_crc:
+                self._crc = zlib.crc32(view[:count], self._crc)
+            elif count >= _LARGE_WRITE:
+                self._tail.clear()
+            else:
+                self._tail.append(bytes(view[:count]))
         self._position += count
         return count
 
@@ -288,17 +286,15 @@ class _ChecksummingFileSystem:
                     # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
                     yield _ChecksummingStream(stream, segments, self.errors,
                                               own_crc=not torch.serialization.get_crc32_options())
-                except BaseException:  # the file is lost whatever failed: its close must not complete an upload
-                    storage.abort_upload(stream)
+                except BaseException:  # the file is lost, whatever failed (a write, the fsync, an item, another
+                    storage.abort_upload(stream)  # file: SaveAbandoned): its close must not complete an upload
                     raise
                 return
-        except Exception as exc:  # noqa: BLE001 - kept, raised by write_data
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - kept, raised by write_data
             if not any(exc is seen for seen in self.errors):
                 self.errors.append(exc)
-        except (KeyboardInterrupt, SystemExit) as exc:  # goes on up, and the other files stop at their next write
-            if not any(exc is seen for seen in self.errors):
-                self.errors.append(exc)
-            raise
+            if not isinstance(exc, Exception):  # an interrupt goes on up; the other files stop at their next write
+                raise
         if not opened:  # the file could not be created: the caller still needs a stream to fail on
             with suppress(Exception):  # the failure on it is the one already kept
                 yield _FailedStream(self.errors[-1])

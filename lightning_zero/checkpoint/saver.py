@@ -910,10 +910,9 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     unit, and their exchanges run over it (see :func:`async_save`); a ``local`` checkpoint is then
     read by the rank's position in the group.
     """
-    maybe_finalize_async_calls(blocking=True)
     team = _team(process_group, coordinator_rank)
     loc = storage.resolve(checkpoint_id, storage_options)
-    with shared_metadata(loc, team):
+    with shared_metadata(loc, team):  # finalizes the save in flight first
         error: BaseException | None = None
         finish: Callable[[], dict[str, Any]] | None = None
         try:

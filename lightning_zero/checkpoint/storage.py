@@ -17,7 +17,6 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import io
@@ -150,9 +149,9 @@ def abort_upload(f: Any) -> None:
     discard = getattr(f, "discard", None)
     if discard is None:
         return
-    with contextlib.suppress(Exception):
+    with suppress(Exception):
         discard()
-    with contextlib.suppress(AttributeError):  # a file whose ``closed`` is read-only
+    with suppress(AttributeError):  # a file whose ``closed`` is read-only
         f.closed = True
 
 
