@@ -6,11 +6,13 @@ from lightning_zero._lightning_fixes import install_checkpoint_reader
 from lightning_zero.checkpoint import ZeroCheckpointIO
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.optimizer_kinds import register_optimizer
 from lightning_zero.sharding import EvenShard
 from lightning_zero.strategy import ZeroLowLevelStrategy
 
 ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
 install_checkpoint_reader()  # LightningModule.load_from_checkpoint reads local/sharded checkpoints
 
-__all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer"]
+__all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",
+           "register_optimizer"]
 __version__ = "0.1.0"

@@ -156,7 +156,34 @@ class ShardedParam:
         self.grad_shard = bucket.grad_shard[offset : offset + n]
         self.has_grad = False  # some rank produced a gradient since the last zero_grad (host view)
         self.reported = False  # this rank's hook fired in the current backward
+        # Stepped on the whole parameter ([Note: whole-matrix step] in whole_step.py); then the state
+        # under these keys is held as even shards like the master, every other value whole.
+        self.shape_aware = False
+        self.split_state_keys: frozenset[str] = frozenset()
         self.load_master_from(param.detach())
+        # The parameter's autograd version when the master last agreed with it: an in-place write
+        # into the parameter (``copy_``, ``load_state_dict``) moves it; the engine's own gathers
+        # write through ``.data`` and do not ([Note: the module is the truth] in engine.py).
+        self.adopted_version = param._version
+
+    @torch.no_grad()
+    def adopt_param_writes(self, compare_values: bool) -> bool:
+        """Take into the master what was written into this rank's elements of the parameter since
+        the master last agreed with it; True if something may have been. Elements still equal to the
+        master in the parameter's dtype keep the master (its fp32 precision under bf16 parameters).
+        ``compare_values`` also finds writes that leave the version as it was (``p.data.copy_``);
+        the parameter must then hold the last gather."""
+        version = self.param._version
+        if version == self.adopted_version and not compare_values:
+            return False
+        own = self.own_elements(self.param.detach())
+        if own.dtype == self.master.dtype:
+            self.master.copy_(own)
+        else:
+            written = own != self.master.to(own.dtype)
+            self.master.copy_(torch.where(written, own.to(self.master.dtype), self.master))
+        self.adopted_version = version
+        return True
 
     def own_elements(self, full: Tensor) -> Tensor:
         """This rank's elements of a tensor shaped like the parameter (1D view)."""

@@ -219,6 +219,32 @@ class ZeroEngine:
         self.finish_param_gather()  # a late gather must not overwrite the loaded weights
         for sp in self.sharded_params.values():
             sp.load_master_from(sp.param.detach())
+            sp.adopted_version = sp.param._version
+
+    @torch.no_grad()
+    def adopt_module_writes(self, compare_values: bool = True) -> None:
+        """Take weights written into the module's parameters into the master shards.
+
+        [Note: the module is the truth] Between steps the module's parameters are what users,
+        callbacks and Lightning read and write (a hook setting weights, ``load_state_dict``,
+        StochasticWeightAveraging's transfer, EMA's copy); the masters are the engine's private,
+        higher-precision copy. Every optimizer step first takes in-place writes into the masters
+        (:meth:`ZeroOptimizer.adopt_module_writes`): the parameter's autograd version counter moves
+        on ``copy_``/``load_state_dict``/in-place ops and not on the engine's own gathers (written
+        through ``.data``), so nothing is done per step when nothing was written. Writes through
+        ``.data`` leave the version as it was; they are found by comparing values
+        (``compare_values=True``), which the strategy does where Lightning runs user code between
+        steps (train start and end, after validation, before a save). Elements equal to the master
+        in the parameter's dtype keep the master, so a bf16 model keeps its fp32 masters untouched.
+        Frozen parameters are covered here (their masters are checkpointed).
+
+        The caller makes sure no save is still copying the masters."""
+        if compare_values or any(sp.param._version != sp.adopted_version for sp in self.sharded_params.values()):
+            # A written parameter was read through its module, which finished its gather; the
+            # others must hold the last gather before their values are compared.
+            self.finish_param_gather()
+        for sp in self.sharded_params.values():
+            sp.adopt_param_writes(compare_values)
 
     def publish_masters(self) -> None:
         """All-gather every master shard into the model (after the masters were loaded)."""
@@ -239,6 +265,24 @@ class ZeroEngine:
         _unguard_parameter_reads(self._guarded)
         self._guarded = []
         self.pool.clear()
+        self._destroy_own_groups()
+
+    def _destroy_own_groups(self) -> None:
+        """End the process groups this engine created (the gathers' group, the hybrid groups), once.
+
+        A group left alive to interpreter exit is torn down by gloo's destructor there, with its
+        worker threads, after Python has started finalizing: a finished run then sometimes died with
+        "terminate called without an active exception". Repeated fits in one process would also
+        accumulate one gather group per fit."""
+        shared = {id(self.group)}
+        for pg in dict.fromkeys([self.gather_group, self.shard_group, self.replica_group]):
+            if pg is None or id(pg) in shared or pg == dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            if dist.is_initialized():
+                dist.destroy_process_group(pg)
+        # Nothing communicates on them any more: the engine keeps its state for a save after fit.
+        self.gather_group = self.shard_group = self.replica_group = self.group
+        self.gatherer.group = self.group
 
 
 def _optimized_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[tuple[str, nn.Parameter]]:

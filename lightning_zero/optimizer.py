@@ -109,6 +109,9 @@ class ZeroOptimizer(Optimizer):
             # changes, so no gather either; zero_grad then drops the (zero) gradients.
             self._skip_update = False
             return loss
+        # After the hooks (a save still staging the masters has finished copying them): weights
+        # written into the module since the last step reach the masters before the update.
+        self.adopt_module_writes()
         self.inner.step()
         self.gather_params()
         return loss
@@ -123,6 +126,13 @@ class ZeroOptimizer(Optimizer):
         they read the master shards themselves), ``.grad`` only where some rank had one."""
         self._gatherer.finish()
         self._reducer.resolve_presence()
+
+    def adopt_module_writes(self) -> None:
+        """Take weights written in place into the module's parameters (``load_state_dict``,
+        ``p.copy_``, a callback's transfer) into this optimizer's master shards: one version read per
+        parameter when nothing was written ([Note: the module is the truth] in engine.py)."""
+        for sp in self.sharded_params:
+            sp.adopt_param_writes(compare_values=False)
 
     def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call ``hook()`` in :meth:`step` after the closure and right before the shards change.
@@ -202,6 +212,14 @@ class ZeroOptimizer(Optimizer):
         optimizers, DeepSpeed's among them) reads ``.optimizer`` to name and group it, so learning
         rates are logged once, under the user's optimizer's name."""
         return self.inner
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Optimizer's own keeps defaults, state and param_groups only; this wrapper is its attributes
+        # (the Trainer pickles and deep-copies after fit, with its optimizers).
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.inner!r})"

@@ -21,7 +21,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -156,6 +156,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
+        if fitting and all(isinstance(opt, _MockOptimizer) for opt in self.optimizers):
+            # `configure_optimizers` returned None: Lightning runs the loop without an optimizer,
+            # so nothing is sharded (nothing steps) and no engine is built.
+            rank_zero_warn("`configure_optimizers` returned no optimizer: ZeroLowLevelStrategy trains nothing and"
+                           " shards nothing; the module's weights stay as they are.")
+            _sync_module_states(self.model)
+        elif fitting:
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
             # Once, now that dtypes are final and no gather is in flight: per save it would wait
             # for the step's overlapped gathers on the training thread (module_meta's docstring).
@@ -243,14 +250,35 @@ class ZeroLowLevelStrategy(DDPStrategy):
         element-wise and already right on shards.
         """
         plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            _unwrap(optimizer).clip_grad_norm_(clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        # A module-level function (not a closure): the Trainer, and its plugin, pickle after fit.
+        plugin.clip_grad_by_norm = _clip_grad_by_global_norm  # type: ignore[method-assign]
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # All ranks must skip an overflowing step together: the found-inf flag is all-reduced.
             plugin.scaler = self.engine.grad_scaler(init_scale=plugin.scaler.get_scale())
+
+    def _adopt_module_writes(self, compare_values: bool = True) -> None:
+        """Weights written into the module reach the masters ([Note: the module is the truth] in
+        engine.py). Called where Lightning has just run user code between steps."""
+        if self._engine is None:
+            return
+        saver.wait_for_staging()  # a save still copying the masters finishes first
+        self._engine.adopt_module_writes(compare_values)
+
+    @override
+    def on_train_start(self) -> None:
+        # After the callbacks' and the module's on_fit_start/on_train_start (and on_load_checkpoint).
+        self._adopt_module_writes()
+        super().on_train_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._adopt_module_writes()
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        self._adopt_module_writes()
+        super().on_train_end()
 
     @contextlib.contextmanager
     @override
@@ -309,6 +337,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         io = self.checkpoint_io
         module = self.lightning_module
         assert module is not None
+        if self._engine is not None:
+            # What the module holds now is what is saved. Values are compared unless the step's
+            # gathers are still running (a save from on_train_batch_end): their parameters were
+            # not read since, so only in-place writes can have happened.
+            self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
             io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
@@ -404,6 +437,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage, override=True)
+
+
+def _clip_grad_by_global_norm(optimizer: Optimizer, clip_val: float) -> None:
+    """Lightning's ``Precision.clip_grad_by_norm``, with the norm over every rank's shards
+    ([Note: clipping])."""
+    _unwrap(optimizer).clip_grad_norm_(clip_val)
 
 
 def _unwrap(optimizer: Optimizer) -> ZeroOptimizer:

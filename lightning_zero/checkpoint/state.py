@@ -20,6 +20,7 @@ from lightning_zero.buckets import ShardedParam
 from lightning_zero.checkpoint.tree import FlatShard
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.whole_step import is_split_state
 
 
 def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
@@ -27,15 +28,19 @@ def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
     return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size, sp.bucket.replicas, sp.bucket.replica_rank)
 
 
-def _is_sharded_state(value: Any, sp: ShardedParam) -> bool:
-    """Optimizer state shaped like the master shard is sharded; scalars (Adam's step) are not."""
+def _is_sharded_state(key: str, value: Any, sp: ShardedParam) -> bool:
+    """Optimizer state shaped like the master shard is sharded; scalars (Adam's step) are not. A
+    shape-aware optimizer's state says by its key ([Note: whole-matrix step] in whole_step.py): its
+    whole values (Adafactor's row factor) may be 1-D too."""
+    if sp.shape_aware:
+        return key in sp.split_state_keys
     return isinstance(value, Tensor) and value.shape == sp.master.shape and value.dim() == 1
 
 
 def _is_full_state(key: str, value: Any, sp: ShardedParam) -> bool:
     """In PyTorch's format, state shaped like the parameter is per-element. A 0-dim parameter's
     state is shaped like Adam's scalar ``step``, so the key decides there."""
-    return isinstance(value, Tensor) and value.shape == sp.param.shape and (sp.param.dim() > 0 or key != "step")
+    return is_split_state(key, value, sp.param.shape)
 
 
 def _param_groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
@@ -70,7 +75,7 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         for sp in opt.sharded_params:
             entry = opt.state.get(sp.master)
             if entry:
-                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(v, sp) else v for k, v in entry.items()}
+                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:
@@ -125,7 +130,7 @@ def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
             entry = opt.state.get(sp.master)
             if entry:
                 state[index[sp.master]] = {
-                    k: _flat(sp, v, engine.shard_size) if _is_sharded_state(v, sp) else v for k, v in entry.items()
+                    k: _flat(sp, v, engine.shard_size) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()
                 }
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
                   for g in opt.param_groups]
@@ -147,7 +152,7 @@ def materialize_optimizer_state(opt: ZeroOptimizer, keep: set[str]) -> None:
             g["lr"] = 0.0
         for sp in opt.sharded_params:
             sp.master.grad = torch.zeros_like(sp.master)
-        opt.inner.step()
+        opt.run_inner_step(gather=False)  # no collective: the values are overwritten by the load
         for g, lr in zip(opt.param_groups, lrs):
             g["lr"] = lr
         for sp in opt.sharded_params:
@@ -190,8 +195,17 @@ def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[s
         opt.state.clear()
         for index, entry in saved["state"].items():
             sp = opt.sharded_params[int(index)]
+            if sp.shape_aware:
+                sp.split_state_keys = frozenset(k for k, v in entry.items() if _is_full_state(k, v, sp))
             opt.state[sp.master] = {
                 k: sp.own_elements(v).to(sp.master.device, sp.master.dtype).clone()
-                if _is_full_state(k, v, sp) else v
+                if _is_full_state(k, v, sp) else _whole_value(v, sp)
                 for k, v in entry.items()
             }
+
+
+def _whole_value(value: Any, sp: ShardedParam) -> Any:
+    """A shape-aware optimizer's whole state tensor (Adafactor's factors) goes where its step runs."""
+    if sp.shape_aware and isinstance(value, Tensor) and value.dim() > 0:
+        return value.to(sp.master.device)
+    return value

@@ -1,0 +1,139 @@
+"""Lightning's own contracts, run the same way under ``ddp`` and under ZeRO (tests/test_lightning_contracts.py).
+
+Each function runs on every rank of a gloo group (tests/_dist.py) and returns what the test compares:
+the same function with ``strategy="ddp"`` is the reference, as Lightning's own tests hold DDP to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lifecycle_cases import EvalNet, as_torchrun
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_cases import loader
+
+from lightning_zero import ZeroLowLevelStrategy
+from lightning_zero.checkpoint import ZeroCheckpointIO, read_lightning_checkpoint
+
+
+def make_trainer(world_size: int, strategy: str, root: str, *, mode: str = "sharded", max_steps: int = 4,
+                 max_epochs: int | None = None, callbacks: list[Callback] | None = None, stage: int = 2) -> Trainer:
+    """``strategy``: "ddp" (the reference) or "zero" (ZeroLowLevelStrategy with ZeroCheckpointIO(mode))."""
+    if strategy == "ddp":
+        chosen: Any = DDPStrategy(find_unused_parameters=True)
+        plugins: list[Any] = []
+    else:
+        chosen = ZeroLowLevelStrategy(stage=stage, bucket_size_mb=0.0005)  # type: ignore[arg-type]
+        plugins = [ZeroCheckpointIO(mode=mode)]  # type: ignore[arg-type]
+    callbacks = callbacks or []
+    return Trainer(
+        accelerator="cpu", devices=world_size, strategy=chosen, plugins=plugins, callbacks=callbacks,
+        max_steps=max_steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, num_sanity_val_steps=0,
+    )
+
+
+def _weights(module: LightningModule) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class WritesWeights(EvalNet):
+    """Writes weights into the module where users and callbacks do, three different ways.
+
+    ``on_train_start``: ``p.copy_`` (moves the autograd version); at the start of batch 2:
+    ``load_state_dict`` (the same); at the start of batch 3: an in-place clamp; in ``on_train_end``: a
+    write through ``.data`` (moves no version), as Lightning's EMA callback writes."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__(optimizer="sgd")
+        self.lr = lr
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    @torch.no_grad()
+    def on_train_start(self) -> None:
+        self.net.hidden.weight.copy_(torch.full_like(self.net.hidden.weight, 0.25))
+        self.net.frozen.weight.copy_(torch.full_like(self.net.frozen.weight, -0.5))  # frozen: checkpointed
+
+    @torch.no_grad()
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            state = self.state_dict()
+            state["net.head.bias"] = torch.arange(state["net.head.bias"].numel(), dtype=torch.float32)
+            self.load_state_dict(state)
+        if batch_idx == 3:
+            self.net.embed.bias.clamp_(0.75, 0.75)  # WGAN-style clipping, in place
+
+    @torch.no_grad()
+    def on_train_end(self) -> None:
+        self.net.scale.data.fill_(2.5)  # after the last step: only the checkpoint after fit shows it
+
+
+def written_weights(rank: int, world_size: int, root: str, strategy: str, lr: float, mode: str) -> dict[str, Any]:
+    """Fit :class:`WritesWeights` for 4 steps, save after fit; the weights and what the save holds."""
+    as_torchrun(rank, world_size)
+    module = WritesWeights(lr)
+    trainer = make_trainer(world_size, strategy, root, mode=mode)
+    trainer.fit(module, loader(4, 1, world_size))
+    path = f"{root}/{strategy}-{mode}-after-fit.ckpt"
+    trainer.save_checkpoint(path)
+    torch.distributed.barrier()
+    saved = read_lightning_checkpoint(path, optimizer=False)["state_dict"] if rank == 0 else {}
+    return {"weights": _weights(module), "saved": saved}
+
+
+def swa_run(rank: int, world_size: int, root: str, strategy: str, mode: str) -> dict[str, Any]:
+    """StochasticWeightAveraging over 4 epochs (averaging from epoch 2): the weights after fit, the
+    ModelCheckpoint of the last epoch and the save after fit, as Lightning's SWA tests read them."""
+    as_torchrun(rank, world_size)
+    module = EvalNet(optimizer="sgd")
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/{strategy}-{mode}", filename="{epoch}", save_top_k=-1)
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1)
+    trainer = make_trainer(world_size, strategy, root, mode=mode, max_epochs=4, callbacks=[swa, checkpoint])
+    trainer.fit(module, loader(2, 1, world_size))
+    after_fit = f"{root}/{strategy}-{mode}/after-fit.ckpt"
+    trainer.save_checkpoint(after_fit)
+    torch.distributed.barrier()
+    result: dict[str, Any] = {"weights": _weights(module)}
+    if rank == 0:
+        result["after_fit"] = read_lightning_checkpoint(after_fit, optimizer=False)["state_dict"]
+        last_epoch = f"{root}/{strategy}-{mode}/epoch=3.ckpt"
+        result["last_epoch"] = read_lightning_checkpoint(last_epoch, optimizer=False)["state_dict"]
+        restored = EvalNet.load_from_checkpoint(after_fit, map_location="cpu") if mode == "full" else None
+        result["load_from_checkpoint"] = _weights(restored) if restored is not None else None
+    return result
+
+
+class NoOptimizer(EvalNet):
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def no_optimizer_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """``configure_optimizers`` returning None: fit runs (Lightning warns), nothing changes."""
+    as_torchrun(rank, world_size)
+    module = NoOptimizer()
+    before = _weights(module)
+    trainer = make_trainer(world_size, "zero", root, max_steps=3)
+    trainer.fit(module, loader(3, 1, world_size))
+    return {"before": before, "after": _weights(module), "global_step": trainer.global_step}
+
+
+def repeated_fits_groups(rank: int, world_size: int, root: str) -> list[int]:
+    """The number of process groups this process knows after each of three fits of one Trainer."""
+    from torch.distributed import distributed_c10d as c10d
+
+    as_torchrun(rank, world_size)
+    counts = [len(c10d._world.pg_map)]
+    module = EvalNet()
+    for _ in range(3):
+        trainer = make_trainer(world_size, "zero", root, max_steps=2)
+        trainer.fit(module, loader(2, 1, world_size))
+        counts.append(len(c10d._world.pg_map))
+    return counts

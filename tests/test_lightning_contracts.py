@@ -1,0 +1,110 @@
+"""Lightning's contracts held as DDP is held (DESIGN.md, Lightning's contracts): each test runs the same
+Trainer script under ``ddp`` and under ZeRO at 2 processes and compares (tests/contract_cases.py).
+
+The Lightning tests that state each contract: ``callbacks/test_stochastic_weight_avg.py`` (the averaged
+weights are what is saved and loaded), ``trainer/test_trainer.py::test_trainer_access_in_configure_optimizers``
+(no optimizer), ``checkpointing/test_torch_saving.py::test_model_torch_save`` (the Trainer pickles).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from contract_cases import no_optimizer_fit, repeated_fits_groups, swa_run, written_weights
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+
+
+def _on_ranks(fn: Any, *args: Any) -> list[Any]:
+    return run_distributed(fn, WORLD, *args, start_method="forkserver")
+
+
+def assert_close_dicts(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str,
+                       atol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys(), where
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=atol, rtol=1e-5, msg=f"{where}: {key}")
+
+
+@functools.cache
+def _written(root: str, strategy: str, lr: float, mode: str) -> list[dict[str, Any]]:
+    return _on_ranks(written_weights, root, strategy, lr, mode)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+def test_weights_written_into_the_module_are_kept_with_lr_zero(tmp_path: Any, mode: str) -> None:
+    """Lightning's contract: the module's weights are the truth. With lr=0 nothing may move what a hook,
+    load_state_dict or a ``.data`` write put there; under ZeRO the masters used to revert them."""
+    zero = _written(str(tmp_path), "zero", 0.0, mode)
+    weights = zero[0]["weights"]
+    assert torch.equal(weights["net.hidden.weight"], torch.full_like(weights["net.hidden.weight"], 0.25))
+    assert torch.equal(weights["net.frozen.weight"], torch.full_like(weights["net.frozen.weight"], -0.5))
+    assert torch.equal(weights["net.head.bias"], torch.arange(11, dtype=torch.float32))
+    assert torch.equal(weights["net.embed.bias"], torch.full_like(weights["net.embed.bias"], 0.75))
+    assert float(weights["net.scale"]) == 2.5
+    assert_close_dicts(zero[1]["weights"], weights, "rank 1 equals rank 0", atol=0.0)
+    # The save after fit holds the module as it is, the write in on_train_end included.
+    assert_close_dicts(zero[0]["saved"], weights, f"after-fit {mode} checkpoint", atol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_weights_written_during_training_reach_the_update_as_under_ddp(tmp_path: Any, mode: str) -> None:
+    ddp = _written(str(tmp_path), "ddp", 0.1, "full")
+    zero = _written(str(tmp_path), "zero", 0.1, mode)
+    assert_close_dicts(zero[0]["weights"], ddp[0]["weights"], "weights after fit")
+    assert_close_dicts(zero[0]["saved"], ddp[0]["saved"], "checkpoint after fit")
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_stochastic_weight_averaging_saves_the_averaged_weights_as_under_ddp(tmp_path: Any, mode: str) -> None:
+    ddp = _on_ranks(swa_run, str(tmp_path), "ddp", "full")[0]
+    zero = _on_ranks(swa_run, str(tmp_path), "zero", mode)[0]
+    assert_close_dicts(zero["weights"], ddp["weights"], "averaged weights after fit")
+    assert_close_dicts(zero["after_fit"], ddp["after_fit"], "checkpoint after fit")
+    assert_close_dicts(zero["after_fit"], zero["weights"], "checkpoint after fit = module", atol=0.0)
+    assert_close_dicts(zero["last_epoch"], ddp["last_epoch"], "last epoch's checkpoint")
+    # The averaged weights differ from the last epoch's: the comparison above can fail.
+    assert not torch.allclose(ddp["after_fit"]["net.hidden.weight"], ddp["last_epoch"]["net.hidden.weight"])
+    if mode == "full":
+        assert_close_dicts(zero["load_from_checkpoint"], ddp["weights"], "load_from_checkpoint")
+
+
+def test_fit_without_an_optimizer_runs_and_changes_nothing(tmp_path: Any) -> None:
+    results = _on_ranks(no_optimizer_fit, str(tmp_path))
+    for result in results:
+        assert result["global_step"] == 0 or result["global_step"] == 3
+        assert_close_dicts(result["after"], result["before"], "weights", atol=0.0)
+
+
+def test_repeated_fits_leave_no_process_group_behind(tmp_path: Any) -> None:
+    """Every group the engine creates (the gathers' own) ends with its fit: after each of three fits in
+    one process the process knows the default group and the checkpoint coordination group only (made
+    once per process and reused by every fit's saves)."""
+    counts = _on_ranks(repeated_fits_groups, str(tmp_path))
+    for per_rank in counts:
+        assert per_rank == [1, 2, 2, 2], per_rank
+
+
+def test_trainer_pickles_and_deep_copies_after_fit(tmp_path: Any) -> None:
+    from lifecycle_cases import EvalNet
+    from lightning.pytorch import Trainer
+    from lightning_cases import loader
+
+    from lightning_zero import ZeroLowLevelStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroLowLevelStrategy(stage=2), max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path), gradient_clip_val=1.0,
+                      use_distributed_sampler=False)
+    trainer.fit(EvalNet(), loader(2, 1, 1))
+    restored = pickle.loads(pickle.dumps(trainer))
+    assert restored.global_step == 2
+    torch.save(trainer, tmp_path / "trainer.pt")
+    assert copy.deepcopy(trainer).global_step == 2
