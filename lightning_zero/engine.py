@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import BufferPool, GradBucket, GradReducer, ParamGatherer, ShardedParam
 from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.optimizer_kinds import optimizer_kind
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 _MB = 1024 * 1024
@@ -134,6 +135,7 @@ class ZeroEngine:
         self.shard_rank = self.layout.shard_rank(self.rank)
         _reject_sparse_modules(module)
         named = _optimized_params(module, optimizers)
+        kinds = [optimizer_kind(opt, index) for index, opt in enumerate(optimizers)]  # [Note: optimizer kinds]
         _broadcast_module_states(module, group)
         # The shards are disjoint within ``shard_group``; ``replica_group`` holds this rank's copies.
         self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)
@@ -174,8 +176,9 @@ class ZeroEngine:
                 self.gatherer,
                 self.device,
                 config.overlap_param_gather,
+                shape_aware=kind == "shape_aware",
             )
-            for opt in optimizers
+            for opt, kind in zip(optimizers, kinds, strict=True)
         ]
         self._module = module
         self._guarded = _guard_parameter_reads(module, self.sharded_params, self.gatherer) \

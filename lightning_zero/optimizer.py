@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
+from lightning_zero.whole_step import WholeParamStep
 
 
 class ZeroOptimizer(Optimizer):
@@ -37,7 +38,7 @@ class ZeroOptimizer(Optimizer):
 
     def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
                  group: dist.ProcessGroup | None, reducer: GradReducer, gatherer: ParamGatherer,
-                 device: torch.device, overlap_param_gather: bool = True) -> None:
+                 device: torch.device, overlap_param_gather: bool = True, shape_aware: bool = False) -> None:
         if inner.state:
             raise ValueError(
                 f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
@@ -64,6 +65,8 @@ class ZeroOptimizer(Optimizer):
         super().__init__(groups, inner.defaults)
         self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._skip_update = False
+        # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
+        self.whole_step = WholeParamStep(inner, self.sharded_params, group) if shape_aware else None
 
     # The inner optimizer is the one source of truth for groups, state and defaults.
     @property  # type: ignore[override]
@@ -112,9 +115,22 @@ class ZeroOptimizer(Optimizer):
         # After the hooks (a save still staging the masters has finished copying them): weights
         # written into the module since the last step reach the masters before the update.
         self.adopt_module_writes()
-        self.inner.step()
+        self.run_inner_step()
         self.gather_params()
         return loss
+
+    def run_inner_step(self, gather: bool = True) -> None:
+        """The user's optimizer on this rank's shards (and, shape-aware, on whole parameters:
+        [Note: whole-matrix step], collective over the shard group unless ``gather`` is False, which
+        only a zero-lr step creating state before a checkpoint load may use)."""
+        if self.whole_step is None:
+            self.inner.step()
+            return
+        self.whole_step.begin(gather)
+        try:
+            self.inner.step()
+        finally:
+            self.whole_step.end(write_masters=gather)
 
     def skip_next_update(self) -> None:
         """Make the next :meth:`step` run its closure but leave the shards and their state as they
