@@ -137,3 +137,28 @@ def repeated_fits_groups(rank: int, world_size: int, root: str) -> list[int]:
         trainer.fit(module, loader(2, 1, world_size))
         counts.append(len(c10d._world.pg_map))
     return counts
+
+
+def fit_from_a_save_outside_fit(rank: int, world_size: int, root: str, mode: str) -> dict[str, Any]:
+    """``validate`` (no fit yet), ``save_checkpoint``, then ``fit(ckpt_path=...)`` of a fresh module on a
+    fresh Trainer: the fit starts from the saved weights (Lightning's models/test_restore.py)."""
+    as_torchrun(rank, world_size)
+    module = EvalNet()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(-2.0)  # not the weights a fresh EvalNet has
+    saved = _weights(module)
+    trainer = make_trainer(world_size, "zero", root, mode=mode)
+    trainer.validate(module, loader(1, 1, world_size), verbose=False)
+    path = f"{root}/after-validate-{mode}.ckpt"
+    trainer.save_checkpoint(path)
+
+    class StartWeights(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            self.weights = _weights(pl_module)
+
+    start = StartWeights()
+    resumed = EvalNet()
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=1, callbacks=[start])
+    trainer.fit(resumed, loader(1, 1, world_size), ckpt_path=path)
+    return {"saved": saved, "start": start.weights}

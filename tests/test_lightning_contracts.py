@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from contract_cases import no_optimizer_fit, repeated_fits_groups, swa_run, written_weights
+from contract_cases import fit_from_a_save_outside_fit, no_optimizer_fit, repeated_fits_groups, swa_run, written_weights
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -108,3 +108,11 @@ def test_trainer_pickles_and_deep_copies_after_fit(tmp_path: Any) -> None:
     assert restored.global_step == 2
     torch.save(trainer, tmp_path / "trainer.pt")
     assert copy.deepcopy(trainer).global_step == 2
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+def test_a_checkpoint_saved_outside_fit_starts_a_fit(tmp_path: Any, mode: str) -> None:
+    """Saved after validate (whole tensors: no engine), resumed by fit (flat shards): it used to fail with
+    a size mismatch blamed on damaged files."""
+    for result in _on_ranks(fit_from_a_save_outside_fit, str(tmp_path), mode):
+        assert_close_dicts(result["start"], result["saved"], "weights at the start of the resumed fit", atol=0.0)

@@ -1357,9 +1357,26 @@ def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
     targets, _ = _split_for_dcp(map_leaves(state_dict, _empty_like))
     check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
+    _read_whole_where_saved_whole(state_dict, targets, metadata)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)
     return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team)
+
+
+def _read_whole_where_saved_whole(state_dict: dict[str, Any], targets: dict[str, Any], metadata: Any) -> None:
+    """A flat shard whose tensor the checkpoint holds whole, in its own shape (saved where no engine
+    existed: after ``validate``, before any ``fit``), is read whole and sliced ([Note: saved whole]).
+
+    [Note: saved whole] A save outside ``fit`` has no engine and so no shards: every parameter is
+    written whole, in its shape. DCP reads any region of a saved tensor but not across shapes, so a
+    2-D weight saved whole does not fill the flat ``[numel]`` chunk a resume asks for; reading the
+    whole tensor (each rank, this case only) and taking this rank's elements does."""
+    for path, leaf in walk(state_dict):
+        key = "/".join(path)
+        saved = metadata.state_dict_metadata.get(key)
+        if (isinstance(leaf, FlatShard) and len(leaf.shape) != 1 and saved is not None
+                and tuple(getattr(saved, "size", ())) == tuple(leaf.shape)):
+            targets[key] = torch.empty(leaf.shape, dtype=leaf.local.dtype, device=leaf.local.device)
 
 
 def _empty_like(leaf: Any) -> Any:
@@ -1388,7 +1405,11 @@ def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: A
         for path, leaf in walk(state_dict):
             key = "/".join(path)
             if isinstance(leaf, FlatShard):
-                leaf.local.copy_(targets[key].local)
+                target = targets[key]
+                if isinstance(target, Tensor):  # [Note: saved whole]
+                    leaf.load_from_full(target)
+                else:
+                    leaf.local.copy_(target.local)
             elif isinstance(leaf, Tensor):
                 leaf.copy_(targets[key])
     return objects

@@ -185,6 +185,8 @@ def load_full_into_engine(engine: ZeroEngine, module: nn.Module, content: dict[s
         if masters and sp.fqn in masters:
             sp.master.copy_(sp.own_elements(masters[sp.fqn]))
     saved_states = content.get("optimizer_states") or []
+    if not saved_states:
+        return  # saved without optimizer state (outside fit, save_weights_only): the optimizers start fresh
     if len(saved_states) != len(engine.optimizers):
         raise ValueError(
             f"The checkpoint holds {len(saved_states)} optimizer states, the model configures"

@@ -60,9 +60,9 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
     :func:`~lightning_zero.checkpoint.state.module_meta`, computed now when not given."""
     meta = meta if meta is not None else ckpt_state.module_meta(module)
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    # Lightning's lr_schedulers stay as it put them (a list, empty without a fit): a fit resumed from a
+    # save made outside fit restores them as under DDP.
     with_optimizer = engine is not None and "optimizer_states" in checkpoint  # absent for save_weights_only
-    if engine is None:
-        trainer_state.pop("lr_schedulers", None)
     if mode == "full":
         buffers = {name for name, _ in module.named_buffers()}
         state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
