@@ -21,6 +21,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -180,6 +181,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             saver.prepare(self.num_processes)  # every save coordinates in the background, also after validate/test
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
+                                                                            _ClaimAwareExists):
+                    # Instance attribute: Lightning's method stays, the user's class is untouched.
+                    callback.file_exists = _ClaimAwareExists(callback, self.checkpoint_io)  # type: ignore[method-assign]
             if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
                 # Each save's cost reaches the user's loggers without them asking (no collective).
                 trainer.callbacks.append(CheckpointMetrics())
@@ -437,6 +443,24 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage, override=True)
+
+
+class _ClaimAwareExists:
+    """``ModelCheckpoint.file_exists`` that also counts the names of async saves not yet committed.
+
+    ModelCheckpoint picks a free ``-vN`` name by asking whether the file exists (rank 0, then an any-
+    reduction). An async save's path exists only once it has committed, so the next save chose the same
+    name again and replaced it: with ``save_top_k=-1`` ("keep all") checkpoints were lost
+    (Lightning's ``test_ckpt_version_after_rerun_same_trainer``). A name counts as taken from the
+    moment its save is queued. A class, not a closure: the Trainer pickles."""
+
+    def __init__(self, callback: ModelCheckpoint, io: ZeroCheckpointIO) -> None:
+        self.callback = callback
+        self.io = io
+
+    def __call__(self, filepath: Any, trainer: Trainer) -> bool:
+        taken = trainer.is_global_zero and (self.io.is_claimed(filepath) or self.callback._fs.exists(filepath))
+        return trainer.strategy.reduce_boolean_decision(bool(taken), all=False)
 
 
 def _clip_grad_by_global_norm(optimizer: Optimizer, clip_val: float) -> None:

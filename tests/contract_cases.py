@@ -162,3 +162,30 @@ def fit_from_a_save_outside_fit(rank: int, world_size: int, root: str, mode: str
     trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=1, callbacks=[start])
     trainer.fit(resumed, loader(1, 1, world_size), ckpt_path=path)
     return {"saved": saved, "start": start.weights}
+
+
+def versioned_names(rank: int, world_size: int, root: str, strategy: str, mode: str) -> dict[str, Any]:
+    """ModelCheckpoint with one file name, saving every step and keeping all (save_top_k=-1): it must pick
+    ``-vN`` names that no other save of the run uses (Lightning's test_ckpt_version_after_rerun_same_trainer).
+    The names it kept, and the global step each file holds."""
+    as_torchrun(rank, world_size)
+    directory = f"{root}/{strategy}-{mode}"
+    checkpoint = ModelCheckpoint(dirpath=directory, filename="test", save_top_k=-1, every_n_train_steps=1,
+                                 monitor="step", mode="max")
+    module = EvalNet()
+    module.training_step = _logs_step(module.training_step)  # type: ignore[method-assign]
+    trainer = make_trainer(world_size, strategy, root, mode=mode, callbacks=[checkpoint])
+    trainer.fit(module, loader(4, 1, world_size))
+    torch.distributed.barrier()
+    names = sorted(path.rsplit("/", 1)[-1] for path in checkpoint.best_k_models)
+    steps = {name: read_lightning_checkpoint(f"{directory}/{name}", optimizer=False)["global_step"] for name in names} \
+        if rank == 0 else {}
+    return {"names": names, "steps": steps}
+
+
+def _logs_step(training_step: Any) -> Any:
+    def step(batch: Any, batch_idx: int) -> Any:
+        loss = training_step(batch, batch_idx)
+        training_step.__self__.log("step", float(training_step.__self__.global_step))
+        return loss
+    return step

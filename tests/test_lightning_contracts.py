@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from contract_cases import fit_from_a_save_outside_fit, no_optimizer_fit, repeated_fits_groups, swa_run, written_weights
+from contract_cases import (
+    fit_from_a_save_outside_fit,
+    no_optimizer_fit,
+    repeated_fits_groups,
+    swa_run,
+    versioned_names,
+    written_weights,
+)
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -116,3 +123,13 @@ def test_a_checkpoint_saved_outside_fit_starts_a_fit(tmp_path: Any, mode: str) -
     a size mismatch blamed on damaged files."""
     for result in _on_ranks(fit_from_a_save_outside_fit, str(tmp_path), mode):
         assert_close_dicts(result["start"], result["saved"], "weights at the start of the resumed fit", atol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+def test_model_checkpoint_version_names_are_unique_under_async_saves(tmp_path: Any, mode: str) -> None:
+    ddp = _on_ranks(versioned_names, str(tmp_path), "ddp", "full")[0]
+    zero = _on_ranks(versioned_names, str(tmp_path), "zero", mode)[0]
+    assert ddp["names"] == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"]
+    assert zero["names"] == ddp["names"]
+    # Every kept file is its own save: the four steps, none overwritten by a later one.
+    assert sorted(zero["steps"].values()) == sorted(ddp["steps"].values()) == [1, 2, 3, 4]

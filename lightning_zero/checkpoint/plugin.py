@@ -34,6 +34,8 @@ class ZeroCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
         self._plain = TorchCheckpointIO()
+        # Paths this plugin has saved to (queued, in flight or committed) and not removed since.
+        self._claimed: set[str] = set()
 
     def __repr__(self) -> str:  # storage_options may hold credentials: not shown
         return f"ZeroCheckpointIO(mode={self.mode!r}, async_save={self.async_save})"
@@ -51,7 +53,9 @@ class ZeroCheckpointIO(CheckpointIO):
             # Not a tree from ZeroLowLevelStrategy (e.g. the spawn launcher handing weights to the
             # main process): an ordinary synchronous single-file save by this rank.
             self._plain.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self._claimed.add(_claim_key(path))
             return
+        self._claimed.add(_claim_key(path))
         options = {**self.storage_options, **(storage_options or {})}
         tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
@@ -70,7 +74,18 @@ class ZeroCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """(one rank) Removal waits until the save in flight has committed, and is dropped if it fails."""
         saver.remove(os.fspath(path), self.storage_options)
+        self._claimed.discard(_claim_key(path))
+
+    def is_claimed(self, path: Any) -> bool:
+        """Whether this process saved to ``path`` and has not removed it: a name that is taken although
+        an async save has not committed there yet (Lightning's ``ModelCheckpoint`` asks whether a
+        file exists to pick its ``-vN`` name; ZeroLowLevelStrategy makes it ask this too)."""
+        return _claim_key(path) in self._claimed
 
     @override
     def teardown(self) -> None:
         saver.maybe_finalize_async_calls(blocking=True)
+
+
+def _claim_key(path: Any) -> str:
+    return os.fspath(path).rstrip("/")
