@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
-from lightning_zero.whole_step import WholeParamStep
+from lightning_zero.whole_step import WholeParamStep, is_split_state
 
 
 class ZeroOptimizer(Optimizer):
@@ -39,12 +39,14 @@ class ZeroOptimizer(Optimizer):
     def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
                  group: dist.ProcessGroup | None, reducer: GradReducer, gatherer: ParamGatherer,
                  device: torch.device, overlap_param_gather: bool = True, shape_aware: bool = False) -> None:
-        if inner.state:
+        if any(_has_stepped(entry) for entry in inner.state.values()):
             raise ValueError(
                 f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
                 " Create the optimizer fresh (in `configure_optimizers`) and let ZeRO shard it before the"
                 " first step."
             )
+        # State made by the constructor (Adagrad's accumulators; the same on every rank) is sharded.
+        constructed = dict(inner.state)
         by_param = {sp.param: sp for sp in sharded_params}
         for group_dict in inner.param_groups:
             group_dict["params"] = [by_param[p].master for p in group_dict["params"]]
@@ -67,6 +69,9 @@ class ZeroOptimizer(Optimizer):
         self._skip_update = False
         # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
         self.whole_step = WholeParamStep(inner, self.sharded_params, group) if shape_aware else None
+        for sp in self.sharded_params:
+            if sp.param in constructed:
+                self.state[sp.master] = _shard_state(constructed[sp.param], sp)
 
     # The inner optimizer is the one source of truth for groups, state and defaults.
     @property  # type: ignore[override]
@@ -239,3 +244,18 @@ class ZeroOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.inner!r})"
+
+
+def _has_stepped(entry: dict[str, Any]) -> bool:
+    """Whether a parameter's state comes from a step (every torch optimizer counts ``step``), not
+    from the constructor."""
+    step = entry.get("step")
+    return step is None or float(step) != 0.0
+
+
+def _shard_state(entry: dict[str, Any], sp: ShardedParam) -> dict[str, Any]:
+    """A parameter's full state as this rank holds it: tensors shaped like the parameter cut to the
+    rank's elements, the rest whole."""
+    split = {key for key, value in entry.items() if is_split_state(key, value, sp.param.shape)}
+    sp.split_state_keys = frozenset(split)
+    return {key: sp.own_elements(value).clone() if key in split else value for key, value in entry.items()}

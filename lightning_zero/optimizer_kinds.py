@@ -94,7 +94,7 @@ def optimizer_kind(optimizer: Optimizer, index: int = 0) -> OptimizerKind:
         return _KINDS[base]
     raise ValueError(
         f"Optimizer {index} ({cls.__module__}.{cls.__qualname__}) is unknown to ZeRO: it steps flat shards of"
-        " every parameter, which is exact only for optimizers that update each element on its own. Built in:"
+        " every parameter, which is exact only for optimizers that update each element on its own. Known:"
         f" {', '.join(sorted(c.__name__ for c, k in _KINDS.items() if k == 'elementwise'))} (elementwise),"
         f" {', '.join(sorted(c.__name__ for c, k in _KINDS.items() if k == 'shape_aware'))} (whole parameters)."
         f" Declare yours once, before the strategy sets up (in every process):"

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import LightningModule
 from torch import nn
 
 import lightning_zero
@@ -254,3 +255,47 @@ def resume(rank: int, world_size: int, run: Run, path: str) -> dict[str, Any]:
     result = params(model)
     engine.close()
     return result
+
+
+# ---- through the Trainer ----------------------------------------------------------------------
+
+
+class GlobalBatches(torch.utils.data.Dataset):
+    """Item i is global batch i; every rank slices its part (``use_distributed_sampler=False``)."""
+
+    def __init__(self, steps: int, world_size: int) -> None:
+        self.items = [batch(step, world_size) for step in range(steps)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.items[index]
+
+
+class MixModule(LightningModule):
+    """``muon-adamw`` steps two optimizers by manual optimization (Lightning's automatic
+    optimization takes one); other optimizers step automatically."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net = initial_mixnet()
+        self.optimizer_name = optimizer
+        self.automatic_optimization = optimizer != "muon-adamw"
+
+    def training_step(self, batch_: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch_
+        ws, rank = self.trainer.world_size, self.global_rank
+        loss = F.mse_loss(self.net(x.chunk(ws)[rank]), y.chunk(ws)[rank])
+        if self.automatic_optimization:
+            return loss
+        opts = self.optimizers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        return make_optimizers(self.optimizer_name, self.net)

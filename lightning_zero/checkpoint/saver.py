@@ -886,7 +886,10 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
     out: dict[str, Tensor | None] = {}
     offset = 0
     for (key, shard), chunk in zip(bucket, chunks):
-        out[key] = rows[:, offset: offset + chunk].reshape(-1)[: shard.numel].reshape(shard.shape).clone()
+        # Contiguous strides: a one-element tensor cut from a column keeps the row stride otherwise,
+        # which ``view(torch.uint8)`` (the checksum) refuses.
+        out[key] = rows[:, offset: offset + chunk].reshape(-1)[: shard.numel].reshape(shard.shape).clone(
+            memory_format=torch.contiguous_format)
         offset += chunk
     return out
 
