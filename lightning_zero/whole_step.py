@@ -119,8 +119,8 @@ def _full_param(sp: ShardedParam) -> nn.Parameter:
 
 
 def _swap_params(inner: Optimizer, replace: dict[Tensor, Tensor]) -> None:
-    for group in inner.param_groups:
-        group["params"] = [replace.get(p, p) for p in group["params"]]
+    for group in inner.param_groups:  # in place: whoever holds a group's list sees the same one
+        group["params"][:] = [replace.get(p, p) for p in group["params"]]
 
 
 def _all_gather_pieces(pieces: list[tuple[Tensor, Tensor, EvenShard]], group: dist.ProcessGroup | None) -> int:
