@@ -6,20 +6,22 @@ like the parameter (Muon's momentum, Adafactor's vector variance) as the same ev
 other state value (Adafactor's ``step``, its row and column factors: small) whole and identical on
 every rank of the shard group. Checkpoints therefore see the same tree as for AdamW (flat shards
 plus replicated small tensors) and reshard to any world size. For the step itself, the reduced
-gradient shards, the master shards and the split state of the parameters that got a gradient are
-all-gathered over the shard group (one collective per dtype), every rank runs the user's optimizer
-on the full-shape tensors in one ``step()`` together with the elementwise ones, keeps its own slices
-and drops the full tensors. Every rank computes the same update (the "Distributed Muon" of the
-Moonlight report, arXiv 2502.16982): nothing has to be broadcast afterwards, the replicated state
-stays identical without a collective, and no rank learns a state layout from another.
+gradient shards and the split state of the parameters that got a gradient are all-gathered over the
+shard group (one collective per dtype), and so are the master shards unless the parameters are fp32
+(the module then already holds them exactly: gathered after the last step). Every rank runs the
+user's optimizer on the full-shape tensors in one ``step()`` together with the elementwise ones,
+keeps its own slices and drops the full tensors. Every rank computes the same update (the
+"Distributed Muon" of the Moonlight report, arXiv 2502.16982): nothing has to be broadcast
+afterwards, the replicated state stays identical without a collective, and no rank learns a state
+layout from another.
 
 Why not whole-parameter owners (ZeroRedundancyOptimizer, DeepSpeed's Muon): the owner's state would
 exist on one rank only, so the checkpoint tree would differ between ranks (DCP's load checks each
 rank's keys against every key saved), resharding would have to reassign owners, and the balance
-would depend on parameter sizes again. The cost here: per step, the all-gather of gradient, master
-and split state of the shape-aware parameters (for Muon 3 x the matrices' elements, each rank
-receiving (ws-1)/ws of that), the update computed on every rank instead of once, and full-size
-temporaries of those parameters during the step (BENCHMARKS.md).
+would depend on parameter sizes again. The cost here, per step: the all-gather (each rank receives
+(ws-1)/ws of the full tensors; fp32 Muon: gradient and momentum, 2 x the matrices' bytes; Adafactor's
+matrices: the gradient alone, their factors being whole), the update computed on every rank instead
+of once, and full-size temporaries of the shape-aware parameters during the step (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from torch.optim import Optimizer
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import ShardedParam
 from lightning_zero.sharding import EvenShard
+
+MASTERS_FROM_MODULE = True
+"""Take fp32 parameters' full masters from the module instead of gathering them (False: always gather;
+the tests run both)."""
 
 
 def is_split_state(key: str, value: Any, param_shape: torch.Size) -> bool:
@@ -73,7 +79,12 @@ class WholeParamStep:
         pieces: list[tuple[Tensor, Tensor, EvenShard]] = []  # (this rank's shard, full 1-D target, layout)
         for sp, full in self._active:
             grad = torch.empty_like(full)
-            pieces.append((sp.master.detach(), full.data.view(-1), sp.layout))
+            if gather and MASTERS_FROM_MODULE and sp.param.dtype == full.dtype:
+                # The module holds exactly the gathered masters (the step finished the gathers and
+                # took in writes into the module): no need to gather them again.
+                full.data.copy_(sp.param.detach())
+            else:
+                pieces.append((sp.master.detach(), full.data.view(-1), sp.layout))
             pieces.append((sp.master.grad if sp.master.grad is not None else sp.grad_shard, grad.view(-1), sp.layout))
             full.grad = grad
             state = self.inner.state.pop(sp.master, None)

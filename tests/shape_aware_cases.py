@@ -156,6 +156,8 @@ class Run:
     steps: int = 3
     shard_group_size: int | None = None
     bucket_size_mb: float = 0.0003  # a few buckets
+    gather_masters: bool = False
+    """Gather the masters of fp32 parameters too (as under bf16 parameters) instead of reading the module."""
 
 
 def build(run: Run, rank: int = 0) -> tuple[MixNet, ZeroEngine]:
@@ -186,8 +188,13 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_zero(rank: int, world_size: int, run: Run) -> dict[str, Any]:
+    from unittest import mock
+
+    from lightning_zero import whole_step
+
     model, engine = build(run, rank)
-    train(model, engine, range(run.steps), rank, world_size)
+    with mock.patch.object(whole_step, "MASTERS_FROM_MODULE", not run.gather_masters):
+        train(model, engine, range(run.steps), rank, world_size)
     result = {"params": params(model), "shard_numel": engine.optimizer_shard_numel,
               "state_bytes": state_bytes(engine),
               "gathered_bytes": sum(o.whole_step.gathered_bytes for o in engine.optimizers if o.whole_step)}

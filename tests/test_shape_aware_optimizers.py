@@ -33,6 +33,7 @@ from shape_aware_cases import (
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroEngine, register_optimizer
 from lightning_zero.optimizer_kinds import optimizer_kind
+from lightning_zero.sharding import EvenShard
 
 SHAPE_AWARE = ("muon-adamw", "muon-nesterov-off", "adafactor", "trust-ratio")
 RUNS: dict[str, Run] = {
@@ -40,6 +41,7 @@ RUNS: dict[str, Run] = {
     **{f"{name}-stage2": Run(name) for name in ELEMENTWISE},
     "adamw-stage1": Run("adamw", stage=1),
     "lion-stage1": Run("lion", stage=1),
+    **{f"{name}-gather-masters": Run(name, gather_masters=True) for name in ("muon-adamw", "adafactor")},
 }
 INITIAL = {n: p.detach().clone() for n, p in initial_mixnet().named_parameters()}
 
@@ -94,10 +96,13 @@ def test_shape_aware_state_is_split_evenly_between_steps(world_size: int) -> Non
     mean (the padding of a few tiny tensors is the difference), and the step's gather is what it costs."""
     per_rank = [result["muon-adamw-stage2"]["state_bytes"] for result in results(world_size)]
     assert max(per_rank) / (sum(per_rank) / world_size) < 1.15, per_rank
-    matrices = sum(p.numel() for n, p in INITIAL.items() if p.ndim == 2 and not n.startswith("unused"))
+    chunks = sum(EvenShard(p.numel(), world_size).chunk for n, p in INITIAL.items()
+                 if p.ndim == 2 and not n.startswith("unused"))
     for result in results(world_size):
-        # Gradient, master and momentum of every trained matrix, padded to whole chunks.
-        assert result["muon-adamw-stage2"]["gathered_bytes"] >= 3 * 4 * matrices * (world_size - 1) / world_size
+        # Gradient and momentum of every trained matrix (fp32: the masters come from the module),
+        # padded to whole chunks, from each of the other ranks; with the masters gathered, 3 of them.
+        assert result["muon-adamw-stage2"]["gathered_bytes"] == 2 * 4 * chunks * (world_size - 1)
+        assert result["muon-adamw-gather-masters"]["gathered_bytes"] == 3 * 4 * chunks * (world_size - 1)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
