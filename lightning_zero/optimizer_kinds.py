@@ -106,7 +106,7 @@ def optimizer_kind(optimizer: Optimizer, index: int = 0) -> OptimizerKind:
 def _changed_methods(cls: type, base: type) -> list[str]:
     """Names that classes between ``cls`` and ``base`` define beyond ``__init__``. torch patches a
     profiling wrapper of the inherited ``step`` into a subclass; that one is not a change."""
-    base_step = inspect.unwrap(base.__dict__.get("step", getattr(base, "step")))
+    base_step = inspect.unwrap(base.step)
     changed = []
     for klass in cls.__mro__[: cls.__mro__.index(base)]:
         for name, value in vars(klass).items():

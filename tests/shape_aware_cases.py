@@ -158,6 +158,9 @@ class Run:
     bucket_size_mb: float = 0.0003  # a few buckets
     gather_masters: bool = False
     """Gather the masters of fp32 parameters too (as under bf16 parameters) instead of reading the module."""
+    clip_norm: float | None = None
+    """Clip each optimizer's gradients by their global norm before its step."""
+    """Gather the masters of fp32 parameters too (as under bf16 parameters) instead of reading the module."""
 
 
 def build(run: Run, rank: int = 0) -> tuple[MixNet, ZeroEngine]:
@@ -171,13 +174,16 @@ def build(run: Run, rank: int = 0) -> tuple[MixNet, ZeroEngine]:
     return model, engine
 
 
-def train(model: nn.Module, engine: ZeroEngine, steps: range, rank: int, world_size: int) -> None:
+def train(model: nn.Module, engine: ZeroEngine, steps: range, rank: int, world_size: int,
+          clip_norm: float | None = None) -> None:
     for step in steps:
         x, y = batch(step, world_size)
         loss = F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
         loss.backward()
         engine.ensure_flushed()
         for opt in engine.optimizers:
+            if clip_norm is not None:
+                opt.clip_grad_norm_(clip_norm)
             opt.step()
         for opt in engine.optimizers:
             opt.zero_grad()
@@ -194,7 +200,7 @@ def run_zero(rank: int, world_size: int, run: Run) -> dict[str, Any]:
 
     model, engine = build(run, rank)
     with mock.patch.object(whole_step, "MASTERS_FROM_MODULE", not run.gather_masters):
-        train(model, engine, range(run.steps), rank, world_size)
+        train(model, engine, range(run.steps), rank, world_size, run.clip_norm)
     result = {"params": params(model), "shard_numel": engine.optimizer_shard_numel,
               "state_bytes": state_bytes(engine),
               "gathered_bytes": sum(o.whole_step.gathered_bytes for o in engine.optimizers if o.whole_step)}
@@ -216,7 +222,7 @@ def state_bytes(engine: ZeroEngine) -> int:
     return total
 
 
-def reference(optimizer: str, world_sizes: list[int]) -> dict[str, torch.Tensor]:
+def reference(optimizer: str, world_sizes: list[int], clip_norm: float | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch, one process: step ``i`` on the global batch of ``world_sizes[i]`` ranks."""
     model = initial_mixnet()
     opts = make_optimizers(optimizer, model)
@@ -225,6 +231,8 @@ def reference(optimizer: str, world_sizes: list[int]) -> dict[str, torch.Tensor]
         loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
         (loss / world_size).backward()
         for opt in opts:
+            if clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip_norm)
             opt.step()
         for opt in opts:
             opt.zero_grad()

@@ -13,7 +13,7 @@ from lightning_zero.checkpoint import async_save, load, maybe_finalize_async_cal
 def test_design_example_imports_and_functional_verbs_exist():
     assert callable(async_save) and callable(load) and callable(maybe_finalize_async_calls)
     assert maybe_finalize_async_calls(blocking=True) is True  # nothing in flight
-    assert {"ZeroLowLevelStrategy", "ZeroCheckpointIO"} <= set(lightning_zero.__all__)
+    assert {"ZeroLowLevelStrategy", "ZeroCheckpointIO", "register_optimizer"} <= set(lightning_zero.__all__)
 
 
 @pytest.mark.parametrize("mode", ["local", "sharded", "full"])

@@ -8,6 +8,7 @@ Every equivalence compares N gloo ranks with one plain PyTorch process on the sa
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 from unittest import mock
 
@@ -42,20 +43,21 @@ RUNS: dict[str, Run] = {
     "adamw-stage1": Run("adamw", stage=1),
     "lion-stage1": Run("lion", stage=1),
     **{f"{name}-gather-masters": Run(name, gather_masters=True) for name in ("muon-adamw", "adafactor")},
+    **{f"{name}-clip": Run(name, clip_norm=0.05) for name in ("muon-adamw", "adafactor")},
 }
 INITIAL = {n: p.detach().clone() for n, p in initial_mixnet().named_parameters()}
 
 
 @functools.cache
 def results(world_size: int, hybrid: bool = False) -> list[dict[str, dict[str, Any]]]:
-    runs = RUNS if not hybrid else {name: Run(run.optimizer, stage=run.stage, shard_group_size=2)
+    runs = RUNS if not hybrid else {name: replace(run, shard_group_size=2)
                                     for name, run in RUNS.items() if run.optimizer in SHAPE_AWARE}
     return run_distributed(run_many, world_size, runs, start_method="forkserver")
 
 
 @functools.cache
-def expected(optimizer: str, world_sizes: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    return reference(optimizer, list(world_sizes))
+def expected(optimizer: str, world_sizes: tuple[int, ...], clip_norm: float | None = None) -> dict[str, torch.Tensor]:
+    return reference(optimizer, list(world_sizes), clip_norm)
 
 
 def assert_params_close(actual: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], where: str) -> None:
@@ -68,7 +70,7 @@ def assert_params_close(actual: dict[str, torch.Tensor], wanted: dict[str, torch
 @pytest.mark.parametrize("name", list(RUNS))
 def test_parameters_match_single_process_pytorch(world_size: int, name: str) -> None:
     run = RUNS[name]
-    wanted = expected(run.optimizer, (world_size,) * run.steps)
+    wanted = expected(run.optimizer, (world_size,) * run.steps, run.clip_norm)
     for rank, result in enumerate(results(world_size)):
         assert_params_close(result[name]["params"], wanted, f"rank {rank}")
 
@@ -76,9 +78,15 @@ def test_parameters_match_single_process_pytorch(world_size: int, name: str) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run.optimizer in SHAPE_AWARE])
 def test_hybrid_2x2_matches_single_process_pytorch(name: str) -> None:
-    wanted = expected(RUNS[name].optimizer, (4,) * RUNS[name].steps)
+    wanted = expected(RUNS[name].optimizer, (4,) * RUNS[name].steps, RUNS[name].clip_norm)
     for rank, result in enumerate(results(4, hybrid=True)):
         assert_params_close(result[name]["params"], wanted, f"rank {rank}")
+
+
+@pytest.mark.parametrize("optimizer", ["muon-adamw", "adafactor"])
+def test_the_clipped_runs_clip_something(optimizer: str) -> None:
+    clipped, unclipped = expected(optimizer, (2, 2, 2), 0.05), expected(optimizer, (2, 2, 2))
+    assert any(not torch.allclose(clipped[n], unclipped[n], atol=1e-4) for n in unclipped)
 
 
 @pytest.mark.parametrize("name", ["muon-adamw-stage2", "adafactor-stage2"])
@@ -263,3 +271,20 @@ def _fit(optimizer: str, stage: int, steps: int = 3) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("optimizer", "stage"), [("muon-adamw", 2), ("adafactor", 1)])
 def test_trainer_on_two_processes_matches_pytorch(optimizer: str, stage: int) -> None:
     assert_params_close(_fit(optimizer, stage), expected(optimizer, (2, 2, 2)), "rank 0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", CHECKPOINTED)
+def test_hybrid_checkpoint_resumes_exactly_and_reshards_to_a_flat_world(checkpoint_root: str, optimizer: str) -> None:
+    """Saved by 2x2 hybrid ranks after 2 steps: resumed by the same layout (``local``: bit for bit) and by
+    2 flat ranks (``sharded``: steps 2 and 3 on 2 ranks' batches, like PyTorch)."""
+    hybrid = Run(optimizer, shard_group_size=2)
+    root = f"{checkpoint_root}/hybrid-{optimizer}"
+    uninterrupted = run_distributed(save_midway, 4, hybrid, root, ("local", "sharded"), start_method="forkserver")
+    resumed = run_distributed(resume, 4, hybrid, f"{root}/local.ckpt", start_method="forkserver")
+    for rank in range(4):
+        for fqn, value in uninterrupted[rank].items():
+            assert torch.equal(resumed[rank][fqn], value), f"rank {rank} {fqn}"
+    flat = run_distributed(resume, 2, Run(optimizer), f"{root}/sharded.ckpt", start_method="forkserver")
+    for rank, params in enumerate(flat):
+        assert_params_close(params, expected(optimizer, (4, 4, 2, 2)), f"rank {rank}")
