@@ -26,7 +26,6 @@ of once, and full-size temporaries of the shape-aware parameters during the step
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,10 +56,11 @@ class WholeParamStep:
     the inner ``step()``, :meth:`end`. Parameters come in param-group order; those whose
     ``has_grad`` is False (the same on every rank) take no part."""
 
-    def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
+    def __init__(self, inner: Optimizer, sharded_params: list[ShardedParam],
                  group: dist.ProcessGroup | None) -> None:
         self.inner = inner
-        self.sharded_params = list(sharded_params)
+        # The optimizer's own list, not a copy: parameters it takes on later are stepped whole too.
+        self.sharded_params = sharded_params
         self.group = group
         for sp in self.sharded_params:
             sp.shape_aware = True
@@ -73,6 +73,8 @@ class WholeParamStep:
 
         ``gather=False`` (creating state before a checkpoint load): no collective; the full tensors
         are zeros, which is all a zero-lr step needs (its state is overwritten by the load)."""
+        for sp in self.sharded_params:
+            sp.shape_aware = True
         self._active = [(sp, _full_param(sp)) for sp in self.sharded_params if sp.has_grad or not gather]
         if not self._active:
             return

@@ -225,8 +225,13 @@ def state_bytes(engine: ZeroEngine) -> int:
 def reference(optimizer: str, world_sizes: list[int], clip_norm: float | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch, one process: step ``i`` on the global batch of ``world_sizes[i]`` ranks."""
     model = initial_mixnet()
-    opts = make_optimizers(optimizer, model)
-    for step, world_size in enumerate(world_sizes):
+    return plain_train(model, make_optimizers(optimizer, model), dict(enumerate(world_sizes)), clip_norm)
+
+
+def plain_train(model: nn.Module, opts: list[torch.optim.Optimizer], world_sizes: dict[int, int],
+                clip_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain PyTorch steps ``{step: world size whose global batch it sees}``; the parameters after."""
+    for step, world_size in world_sizes.items():
         x, y = batch(step, world_size)
         loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
         (loss / world_size).backward()

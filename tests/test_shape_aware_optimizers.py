@@ -25,6 +25,8 @@ from shape_aware_cases import (
     Run,
     TrustRatioSGD,
     initial_mixnet,
+    make_optimizers,
+    plain_train,
     reference,
     resume,
     run_many,
@@ -150,6 +152,22 @@ def test_resume_on_three_ranks_continues_like_pytorch(checkpoint_root: str, opti
     wanted = expected(optimizer, (2, 2, 3, 3))
     for rank, params in enumerate(resumed):
         assert_params_close(params, wanted, f"rank {rank}")
+
+
+@pytest.mark.parametrize("optimizer", CHECKPOINTED)
+def test_a_converted_checkpoint_resumes_plain_pytorch(checkpoint_root: str, optimizer: str) -> None:
+    """The whole-tensor view of a sharded checkpoint (what ``lightning-zero convert`` writes) holds
+    PyTorch's own optimizer state: plain Muon/AdamW/Adafactor load it and continue like the run."""
+    from lightning_zero.checkpoint.reader import read_zero_tree, to_lightning
+
+    uninterrupted = saved(f"{checkpoint_root}/{optimizer}", optimizer)
+    content = to_lightning(read_zero_tree(f"{checkpoint_root}/{optimizer}/sharded.ckpt"))
+    model = initial_mixnet()
+    model.load_state_dict(content["state_dict"])
+    opts = make_optimizers(optimizer, model)
+    for opt, state in zip(opts, content["optimizer_states"], strict=True):
+        opt.load_state_dict(state)
+    assert_params_close(plain_train(model, opts, {2: 2, 3: 2}), uninterrupted[0], "plain PyTorch")
 
 
 # ---- refusal and declaration --------------------------------------------------------------------
