@@ -67,10 +67,19 @@ class ZeroConfig:
     per node is the natural choice (shard collectives stay on the node's fast links). None: the
     whole world (the flat engine)."""
 
+    whole_step_group_mb: float | None = 1024.0
+    """Shape-aware optimizers (Muon, Adafactor: [Note: whole-matrix step] in whole_step.py) hold
+    full-size fp32 copies of the parameters they step during the step; this bounds them (gradient,
+    master and state, about 12 bytes an element) by stepping the parameters a group at a time. None:
+    all at once. Declared shape-aware optimizers are always stepped at once."""
+
     def __post_init__(self) -> None:
         validate_stage(self.stage)
         if self.shard_group_size is not None:
             check_shard_group_size(self.shard_group_size)
+        if self.whole_step_group_mb is not None and not self.whole_step_group_mb > 0:
+            raise ValueError(f"whole_step_group_mb must be > 0 (or None: step shape-aware optimizers' parameters"
+                             f" all at once), got {self.whole_step_group_mb}")
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0 (or None to scale with the world size), got"
                              f" {self.bucket_size_mb}")
@@ -177,6 +186,8 @@ class ZeroEngine:
                 self.device,
                 config.overlap_param_gather,
                 shape_aware=kind == "shape_aware",
+                whole_step_group_bytes=None if config.whole_step_group_mb is None
+                else int(config.whole_step_group_mb * _MB),
             )
             for opt, kind in zip(optimizers, kinds, strict=True)
         ]

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
+from lightning_zero.optimizer_kinds import updates_each_parameter_alone
 from lightning_zero.whole_step import WholeParamStep, is_split_state
 
 
@@ -38,7 +39,8 @@ class ZeroOptimizer(Optimizer):
 
     def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
                  group: dist.ProcessGroup | None, reducer: GradReducer, gatherer: ParamGatherer,
-                 device: torch.device, overlap_param_gather: bool = True, shape_aware: bool = False) -> None:
+                 device: torch.device, overlap_param_gather: bool = True, shape_aware: bool = False,
+                 whole_step_group_bytes: int | None = None) -> None:
         if any(_has_stepped(entry) for entry in inner.state.values()):
             raise ValueError(
                 f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
@@ -68,7 +70,8 @@ class ZeroOptimizer(Optimizer):
         self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._skip_update = False
         # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
-        self.whole_step = WholeParamStep(inner, self.sharded_params, group) if shape_aware else None
+        self.whole_step = WholeParamStep(inner, self.sharded_params, group, updates_each_parameter_alone(inner),
+                                         whole_step_group_bytes) if shape_aware else None
         for sp in self.sharded_params:
             if sp.param in constructed:
                 self.state[sp.master] = _shard_state(constructed[sp.param], sp)
@@ -131,11 +134,7 @@ class ZeroOptimizer(Optimizer):
         if self.whole_step is None:
             self.inner.step()
             return
-        self.whole_step.begin(gather)
-        try:
-            self.inner.step()
-        finally:
-            self.whole_step.end(write_masters=gather)
+        self.whole_step.run(self.inner.step, gather)
 
     def skip_next_update(self) -> None:
         """Make the next :meth:`step` run its closure but leave the shards and their state as they

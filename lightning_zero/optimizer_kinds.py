@@ -33,9 +33,8 @@ _KINDS: dict[type, OptimizerKind] = {
                 torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.ASGD,
                 torch.optim.Rprop)
 }
-_KINDS[torch.optim.Adafactor] = "shape_aware"
-if hasattr(torch.optim, "Muon"):
-    _KINDS[torch.optim.Muon] = "shape_aware"
+_PER_PARAMETER = {torch.optim.Adafactor, *([torch.optim.Muon] if hasattr(torch.optim, "Muon") else [])}
+_KINDS.update({cls: "shape_aware" for cls in _PER_PARAMETER})
 
 _REFUSED: dict[type, str] = {
     torch.optim.LBFGS: (
@@ -76,6 +75,19 @@ def register_optimizer(cls: type[Optimizer], kind: OptimizerKind = "elementwise"
 def optimizer_kind(optimizer: Optimizer, index: int = 0) -> OptimizerKind:
     """The kind of ``optimizer`` (the ``index``-th of the engine's), or a ``ValueError`` saying why not
     and what to do. Pure: the same answer on every rank."""
+    return _KINDS[_known_base(optimizer, index)]
+
+
+def updates_each_parameter_alone(optimizer: Optimizer) -> bool:
+    """Whether a shape-aware optimizer's ``step`` updates every parameter from its own gradient and
+    state only, so that stepping its parameters a group at a time (several ``step()`` calls) gives
+    the same result (Muon, Adafactor). Declared optimizers are not assumed to (a step counter of
+    their own would count every call)."""
+    return _known_base(optimizer) in _PER_PARAMETER
+
+
+def _known_base(optimizer: Optimizer, index: int = 0) -> type:
+    """The registered class ``optimizer`` is, or inherits unchanged from."""
     cls = type(optimizer)
     for base in cls.__mro__:
         if base in _REFUSED:
@@ -91,7 +103,7 @@ def optimizer_kind(optimizer: Optimizer, index: int = 0) -> OptimizerKind:
                 " if every element's update reads only that element's gradient and state, or kind='shape_aware'"
                 " to step it on whole parameters."
             )
-        return _KINDS[base]
+        return base
     raise ValueError(
         f"Optimizer {index} ({cls.__module__}.{cls.__qualname__}) is unknown to ZeRO: it steps flat shards of"
         " every parameter, which is exact only for optimizers that update each element on its own. Known:"

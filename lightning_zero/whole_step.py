@@ -26,6 +26,7 @@ of once, and full-size temporaries of the shape-aware parameters during the step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,34 +51,76 @@ def is_split_state(key: str, value: Any, param_shape: torch.Size) -> bool:
 
 
 class WholeParamStep:
-    """Swaps full-shape parameters and state into the user's optimizer for one step, and back.
+    """Runs the user's shape-aware optimizer on full-shape parameters and state, and puts back the
+    slices this rank holds ([Note: whole-matrix step]).
 
-    Call order, every rank of the shard group alike: :meth:`begin` (collective when ``gather``),
-    the inner ``step()``, :meth:`end`. Parameters come in param-group order; those whose
-    ``has_grad`` is False (the same on every rank) take no part."""
+    :meth:`run` is the whole step, on every rank of the shard group alike (collective when
+    ``gather``). Parameters come in param-group order; those whose ``has_grad`` is False (the same
+    on every rank) take no part. ``max_group_bytes`` bounds the full-size temporaries alive at once:
+    an optimizer whose update is per parameter (``per_parameter``) is stepped one group of
+    parameters at a time, each group's full tensors freed before the next is gathered."""
 
-    def __init__(self, inner: Optimizer, sharded_params: list[ShardedParam],
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, inner: Optimizer, sharded_params: list[ShardedParam], group: dist.ProcessGroup | None,
+                 per_parameter: bool = False, max_group_bytes: int | None = None) -> None:
         self.inner = inner
         # The optimizer's own list, not a copy: parameters it takes on later are stepped whole too.
         self.sharded_params = sharded_params
         self.group = group
+        self.per_parameter = per_parameter
+        self.max_group_bytes = max_group_bytes
         for sp in self.sharded_params:
             sp.shape_aware = True
         self._active: list[tuple[ShardedParam, nn.Parameter]] = []
+        self._hidden: list[tuple[ShardedParam, Tensor]] = []
         self.gathered_bytes = 0
-        """Bytes this rank received in the last :meth:`begin` (what the benchmarks read)."""
+        """Bytes this rank received in the last :meth:`run` (what the benchmarks read)."""
+        self.groups_stepped = 0
+        """Inner ``step()`` calls of the last :meth:`run`."""
 
-    def begin(self, gather: bool = True) -> None:
-        """Hand the optimizer full-shape parameters with full gradients and state.
+    def run(self, inner_step: Callable[[], Any], gather: bool = True) -> None:
+        """``inner_step()`` once per group of parameters, each group's full tensors swapped in.
 
         ``gather=False`` (creating state before a checkpoint load): no collective; the full tensors
         are zeros, which is all a zero-lr step needs (its state is overwritten by the load)."""
         for sp in self.sharded_params:
             sp.shape_aware = True
-        self._active = [(sp, _full_param(sp)) for sp in self.sharded_params if sp.has_grad or not gather]
-        if not self._active:
-            return
+        self.gathered_bytes = self.groups_stepped = 0
+        stepped = [sp for sp in self.sharded_params if sp.has_grad or not gather]
+        for members in self._groups(stepped):
+            self._begin(members, gather)
+            try:
+                inner_step()
+            finally:
+                self._end(write_masters=gather)
+            self.groups_stepped += 1
+
+    def _groups(self, stepped: list[ShardedParam]) -> list[list[ShardedParam]]:
+        """All at once, or (``per_parameter``) consecutive groups whose full fp32 gradient, master and
+        state (estimated as three copies) stay within ``max_group_bytes``; one parameter at least."""
+        if not stepped:
+            return []
+        if not self.per_parameter or self.max_group_bytes is None:
+            return [stepped]
+        groups: list[list[ShardedParam]] = [[]]
+        filled = 0
+        for sp in stepped:
+            size = 3 * sp.param.numel() * sp.master.element_size()
+            if groups[-1] and filled + size > self.max_group_bytes:
+                groups.append([])
+                filled = 0
+            groups[-1].append(sp)
+            filled += size
+        return groups
+
+    def _begin(self, members: list[ShardedParam], gather: bool) -> None:
+        """Hand the optimizer full-shape parameters with full gradients and state for ``members``;
+        every other parameter's gradient is hidden, so this call leaves it alone."""
+        chosen = set(map(id, members))
+        self._hidden = [(sp, sp.master.grad) for sp in self.sharded_params
+                        if id(sp) not in chosen and sp.master.grad is not None]
+        for sp, _ in self._hidden:
+            sp.master.grad = None
+        self._active = [(sp, _full_param(sp)) for sp in members]
         pieces: list[tuple[Tensor, Tensor, EvenShard]] = []  # (this rank's shard, full 1-D target, layout)
         for sp, full in self._active:
             grad = torch.empty_like(full)
@@ -100,17 +143,15 @@ class WholeParamStep:
                         full_state[key] = value
                 self.inner.state[full] = full_state
         if gather:
-            self.gathered_bytes = _all_gather_pieces(pieces, self.group)
+            self.gathered_bytes += _all_gather_pieces(pieces, self.group)
         else:
             for _, target, _ in pieces:
                 target.zero_()
         _swap_params(self.inner, {sp.master: full for sp, full in self._active})
 
     @torch.no_grad()
-    def end(self, write_masters: bool = True) -> None:
+    def _end(self, write_masters: bool = True) -> None:
         """Keep this rank's slices of the updated parameters and split state; drop the full tensors."""
-        if not self._active:
-            return
         _swap_params(self.inner, {full: sp.master for sp, full in self._active})
         for sp, full in self._active:
             if write_masters:
@@ -124,7 +165,9 @@ class WholeParamStep:
             # A clone: the slice alone stays alive, not the full tensor it was cut from.
             self.inner.state[sp.master] = {key: sp.own_elements(value).clone() if key in split else value
                                            for key, value in state.items()}
-        self._active = []
+        for sp, grad in self._hidden:
+            sp.master.grad = grad
+        self._active, self._hidden = [], []
 
 
 def _full_param(sp: ShardedParam) -> nn.Parameter:

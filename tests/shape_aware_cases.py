@@ -160,6 +160,8 @@ class Run:
     """Gather the masters of fp32 parameters too (as under bf16 parameters) instead of reading the module."""
     clip_norm: float | None = None
     """Clip each optimizer's gradients by their global norm before its step."""
+    whole_step_group_mb: float | None = 1024.0
+    """ZeroConfig's bound on a whole-matrix step's temporaries (tiny: one parameter at a time)."""
     """Gather the masters of fp32 parameters too (as under bf16 parameters) instead of reading the module."""
 
 
@@ -170,7 +172,8 @@ def build(run: Run, rank: int = 0) -> tuple[MixNet, ZeroEngine]:
             for p in model.parameters():
                 p.add_(1.0)
     engine = ZeroEngine(model, make_optimizers(run.optimizer, model),
-                        ZeroConfig(run.stage, run.bucket_size_mb, shard_group_size=run.shard_group_size))
+                        ZeroConfig(run.stage, run.bucket_size_mb, shard_group_size=run.shard_group_size,
+                                   whole_step_group_mb=run.whole_step_group_mb))
     return model, engine
 
 
@@ -203,7 +206,8 @@ def run_zero(rank: int, world_size: int, run: Run) -> dict[str, Any]:
         train(model, engine, range(run.steps), rank, world_size, run.clip_norm)
     result = {"params": params(model), "shard_numel": engine.optimizer_shard_numel,
               "state_bytes": state_bytes(engine),
-              "gathered_bytes": sum(o.whole_step.gathered_bytes for o in engine.optimizers if o.whole_step)}
+              "gathered_bytes": sum(o.whole_step.gathered_bytes for o in engine.optimizers if o.whole_step),
+              "groups_stepped": [o.whole_step.groups_stepped if o.whole_step else None for o in engine.optimizers]}
     engine.close()
     return result
 

@@ -46,6 +46,9 @@ RUNS: dict[str, Run] = {
     "lion-stage1": Run("lion", stage=1),
     **{f"{name}-gather-masters": Run(name, gather_masters=True) for name in ("muon-adamw", "adafactor")},
     **{f"{name}-clip": Run(name, clip_norm=0.05) for name in ("muon-adamw", "adafactor")},
+    # One parameter per inner step() call: the bound on the step's full-size temporaries.
+    **{f"{name}-one-at-a-time": Run(name, whole_step_group_mb=1e-6) for name in ("muon-adamw", "adafactor")},
+    "trust-ratio-bounded": Run("trust-ratio", whole_step_group_mb=1e-6),
 }
 INITIAL = {n: p.detach().clone() for n, p in initial_mixnet().named_parameters()}
 
@@ -113,6 +116,22 @@ def test_shape_aware_state_is_split_evenly_between_steps(world_size: int) -> Non
         # padded to whole chunks, from each of the other ranks; with the masters gathered, 3 of them.
         assert result["muon-adamw-stage2"]["gathered_bytes"] == 2 * 4 * chunks * (world_size - 1)
         assert result["muon-adamw-gather-masters"]["gathered_bytes"] == 3 * 4 * chunks * (world_size - 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_and_adafactor_step_a_group_at_a_time_and_declared_ones_at_once(world_size: int) -> None:
+    trained = [n for n, p in INITIAL.items() if not n.startswith("unused")]
+    matrices = [n for n in trained if INITIAL[n].ndim == 2]
+    for result in results(world_size):
+        assert result["muon-adamw-one-at-a-time"]["groups_stepped"] == [len(matrices), None]
+        assert result["muon-adamw-stage2"]["groups_stepped"] == [1, None]
+        assert result["adafactor-one-at-a-time"]["groups_stepped"] == [len(trained)]
+        assert result["trust-ratio-bounded"]["groups_stepped"] == [1]
+
+
+def test_whole_step_group_mb_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"whole_step_group_mb must be > 0 \(or None: .*got 0"):
+        ZeroConfig(whole_step_group_mb=0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
