@@ -21,7 +21,8 @@ rank's keys against every key saved), resharding would have to reassign owners, 
 would depend on parameter sizes again. The cost here, per step: the all-gather (each rank receives
 (ws-1)/ws of the full tensors; fp32 Muon: gradient and momentum, 2 x the matrices' bytes; Adafactor's
 matrices: the gradient alone, their factors being whole), the update computed on every rank instead
-of once, and full-size temporaries of the shape-aware parameters during the step (BENCHMARKS.md).
+of once, and full-size temporaries of the shape-aware parameters during the step, bounded by stepping
+Muon's and Adafactor's parameters a group at a time (``ZeroConfig.whole_step_group_mb``; BENCHMARKS.md).
 """
 
 from __future__ import annotations
