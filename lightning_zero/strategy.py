@@ -67,6 +67,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             stopping, skips that step's update on every rank with a warning (the weights and the
             optimizer state stay as they were; the LR scheduler still steps); ``"ignore"`` (default)
             adds nothing to the step.
+        exclude_frozen_parameters: leave parameters that do not require grad out of every checkpoint (a
+            frozen pretrained base under adapters), as DeepSpeed's option of that name; loading such a
+            checkpoint keeps the module's own values of the parameters it lacks (no ``strict_loading``
+            error for them).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -91,6 +95,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         broadcast_buffers: bool = True,
         nonfinite_loss: Literal["ignore", "raise", "skip"] = "ignore",
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
@@ -109,6 +114,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         self.broadcast_buffers = broadcast_buffers
         self.nonfinite_loss = nonfinite_loss
+        self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine: ZeroEngine | None = None
         self._engine_live = False  # between fit's setup and teardown (hooks installed, steps run)
         self._module_meta: dict[str, Any] | None = None
@@ -366,13 +372,21 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty for ``local``/``sharded`` saves during fit: they take the weights from the engine's
-        fp32 masters (:func:`~lightning_zero.checkpoint.trainer.build_tree`), and ``state_dict()``
-        would wait on the training thread for the step's overlapped parameter gathers."""
-        io = self.checkpoint_io
-        if self._engine is not None and isinstance(io, ZeroCheckpointIO) and io.mode != "full":
-            return {}
-        return super().lightning_module_state_dict()
+        """The module's ``state_dict()``, as under DDP: what ``on_save_checkpoint`` hooks see and edit.
+
+        A save then holds what the hooks left ([Note: what a checkpoint holds] in checkpoint/trainer.py):
+        entries still holding the module's own tensors are written from the engine's exact fp32 masters.
+        ``state_dict()`` finishes the step's overlapped parameter gathers first (a hook may read the
+        values), so a step that saves gives up that overlap. ``exclude_frozen_parameters``: parameters
+        that do not require grad are left out before the hooks run."""
+        state_dict = super().lightning_module_state_dict()
+        if self.exclude_frozen_parameters:
+            module = self.lightning_module
+            assert module is not None
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state_dict.pop(name, None)
+        return state_dict
 
     def _saved_meta(self) -> dict[str, Any] | None:
         """The module metadata of this fit (None outside fit: computed at the save, nothing is in flight)."""
@@ -393,6 +407,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         engine = self._engine
+        # Lightning's order would apply the weights after the module's on_load_checkpoint; here they are
+        # in the engine before it (sharded state needs no second copy), but strict_loading is honoured.
+        strict = bool(getattr(module, "strict_loading", True))
+        may_lack = frozenset(name for name, p in module.named_parameters(remove_duplicate=False)
+                             if not p.requires_grad) if self.exclude_frozen_parameters else frozenset()
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
@@ -402,8 +421,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 sharing = saver.shared_metadata(storage.resolve(candidate, options)) if isinstance(
                     io, ZeroCheckpointIO) else contextlib.nullcontext()
                 with sharing:
-                    return ckpt_trainer.load_weights(module, candidate, options)
-            return ckpt_trainer.load_zero_state_local(engine, module, candidate, options)
+                    return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack)
+            return ckpt_trainer.load_zero_state_local(engine, module, candidate, options, strict=strict,
+                                                      may_lack=may_lack)
 
         _, result = ckpt_trainer.load_with_fallback(
             path, options, load_one, lambda ok: self.reduce_boolean_decision(ok, all=True), rank_zero_warn

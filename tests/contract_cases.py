@@ -189,3 +189,105 @@ def _logs_step(training_step: Any) -> Any:
         training_step.__self__.log("step", float(training_step.__self__.global_step))
         return loss
     return step
+
+
+def ema_run(rank: int, world_size: int, root: str, strategy: str, mode: str) -> dict[str, Any]:
+    """EMAWeightAveraging (Lightning's weight_averaging tests): 4 steps saving at steps 2 and 4, then a
+    fresh Trainer resumed from step 2 to step 4. What the step-2 checkpoint holds, the weights of both
+    runs."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    as_torchrun(rank, world_size)
+    directory = f"{root}/{strategy}-{mode}-ema"
+
+    def run(ckpt_path: str | None) -> dict[str, torch.Tensor]:
+        module = EvalNet()
+        checkpoint = ModelCheckpoint(dirpath=directory if ckpt_path is None else f"{directory}-resumed",
+                                     filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        trainer = make_trainer(world_size, strategy, root, mode=mode, callbacks=[EMAWeightAveraging(decay=0.5),
+                                                                                checkpoint])
+        trainer.fit(module, loader(4, 1, world_size), ckpt_path=ckpt_path)
+        return _weights(module)
+
+    uninterrupted = run(None)
+    torch.distributed.barrier()
+    saved = read_lightning_checkpoint(f"{directory}/step=2.ckpt", optimizer=False) if rank == 0 else {}
+    resumed = run(f"{directory}/step=2.ckpt")
+    return {"uninterrupted": uninterrupted, "resumed": resumed,
+            "saved_state_dict": saved.get("state_dict"), "saved_current": saved.get("current_model_state")}
+
+
+class Adapted(LightningModule):
+    """A frozen base (the engine cases' Net, in no optimizer) under a trainable adapter: the LoRA habit of
+    dropping the base from every checkpoint in ``on_save_checkpoint`` and loading with
+    ``strict_loading = False`` (``drop_base``), or the strategy's ``exclude_frozen_parameters``."""
+
+    def __init__(self, drop_base: bool, extra_head: bool = False) -> None:
+        super().__init__()
+        from engine_cases import initial_model
+
+        self.net = initial_model()
+        self.net.requires_grad_(False)
+        torch.manual_seed(7)
+        self.adapter = torch.nn.Linear(7, 7)
+        self.extra = torch.nn.Linear(7, 7) if extra_head else None  # a head the checkpoint lacks
+        self.drop_base = drop_base
+        self.strict_loading = not drop_base
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from lightning_cases import local_slice
+
+        x, y = local_slice(self, batch)
+        h = self.net(x)
+        out = h + self.adapter(h) + (self.extra(h) if self.extra is not None else 0.0)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.drop_base:
+            for key in [k for k in checkpoint["state_dict"] if k.startswith("net.")]:
+                del checkpoint["state_dict"][key]
+
+
+def adapter_run(rank: int, world_size: int, root: str, mode: str, how: str) -> dict[str, Any]:
+    """``how``: "hook" (on_save_checkpoint drops the base, strict_loading=False) or "exclude"
+    (ZeroLowLevelStrategy(exclude_frozen_parameters=True), strict loading). 2 epochs of 2 steps saving
+    at each epoch's end; a fresh module resumed from the first epoch's; the keys saved."""
+    as_torchrun(rank, world_size)
+    directory = f"{root}/adapter-{mode}-{how}"
+
+    def run(ckpt_path: str | None) -> dict[str, torch.Tensor]:
+        module = Adapted(drop_base=how == "hook")
+        checkpoint = ModelCheckpoint(dirpath=directory if ckpt_path is None else f"{directory}-resumed",
+                                     filename="{epoch}", save_top_k=-1)
+        trainer = make_trainer(world_size, "zero", root, mode=mode, max_epochs=2, callbacks=[checkpoint])
+        trainer.strategy.exclude_frozen_parameters = how == "exclude"
+        trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
+        return _weights(module)
+
+    uninterrupted = run(None)
+    torch.distributed.barrier()
+    saved = read_lightning_checkpoint(f"{directory}/epoch=0.ckpt", optimizer=False) if rank == 0 else {}
+    resumed = run(f"{directory}/epoch=0.ckpt")
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "saved_keys": sorted(saved.get("state_dict", {}))}
+
+
+def new_head_resume(rank: int, world_size: int, root: str, mode: str, strict: bool) -> dict[str, Any]:
+    """Resume a module that has a head the checkpoint lacks: the error with strict loading, the head's
+    own weights kept without it."""
+    as_torchrun(rank, world_size)
+    path = f"{root}/plain-{mode}.ckpt"
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=1)
+    trainer.fit(Adapted(drop_base=False), loader(1, 1, world_size))
+    trainer.save_checkpoint(path)
+    module = Adapted(drop_base=False, extra_head=True)
+    module.strict_loading = strict
+    extra_before = _weights(module.extra)  # type: ignore[arg-type]
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=2)
+    try:
+        trainer.fit(module, loader(2, 1, world_size), ckpt_path=path)
+    except Exception as exc:  # the strict case: every rank raises
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "extra_before": extra_before, "global_step": trainer.global_step}

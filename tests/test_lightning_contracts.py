@@ -17,6 +17,9 @@ import pytest
 import torch
 from _dist import run_distributed
 from contract_cases import (
+    adapter_run,
+    ema_run,
+    new_head_resume,
     fit_from_a_save_outside_fit,
     no_optimizer_fit,
     repeated_fits_groups,
@@ -133,3 +136,34 @@ def test_model_checkpoint_version_names_are_unique_under_async_saves(tmp_path: A
     assert zero["names"] == ddp["names"]
     # Every kept file is its own save: the four steps, none overwritten by a later one.
     assert sorted(zero["steps"].values()) == sorted(ddp["steps"].values()) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_ema_checkpoints_hold_the_average_and_resume_as_under_ddp(tmp_path: Any, mode: str) -> None:
+    ddp = _on_ranks(ema_run, str(tmp_path), "ddp", "full")[0]
+    zero = _on_ranks(ema_run, str(tmp_path), "zero", mode)[0]
+    assert_close_dicts(zero["saved_state_dict"], ddp["saved_state_dict"], "EMA average in the checkpoint")
+    assert_close_dicts(zero["saved_current"], ddp["saved_current"], "current weights in the checkpoint")
+    # The average is not the current weights: the comparison above tells them apart.
+    assert not torch.allclose(ddp["saved_state_dict"]["net.hidden.weight"], ddp["saved_current"]["net.hidden.weight"])
+    assert_close_dicts(zero["uninterrupted"], ddp["uninterrupted"], "weights after fit")
+    # (Resumed mid-epoch from a loader that cannot resume, the runs differ; under ddp alike.)
+    assert_close_dicts(zero["resumed"], ddp["resumed"], "weights after the resumed fit")
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+@pytest.mark.parametrize("how", ["hook", "exclude"])
+def test_adapter_checkpoints_leave_the_frozen_base_out_and_resume_exactly(tmp_path: Any, mode: str, how: str) -> None:
+    result = _on_ranks(adapter_run, str(tmp_path), mode, how)[0]
+    assert result["saved_keys"] == ["adapter.bias", "adapter.weight"]
+    assert_close_dicts(result["resumed"], result["uninterrupted"], "resumed = uninterrupted", atol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_strict_loading_decides_whether_weights_the_checkpoint_lacks_are_an_error(tmp_path: Any, mode: str) -> None:
+    strict = _on_ranks(new_head_resume, str(tmp_path / "strict"), mode, True)
+    assert all(r["error"] is not None and "extra.weight" in r["error"] and "strict_loading" in r["error"]
+               for r in strict), strict
+    lenient = _on_ranks(new_head_resume, str(tmp_path / "lenient"), mode, False)
+    for result in lenient:
+        assert result["error"] is None and result["global_step"] == 2

@@ -129,6 +129,10 @@ def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, A
     aliases: dict[str, str] = meta.get("aliases", {})
     keys: list[str] = meta.get("state_dict_keys") or list(state_dict)
     content["state_dict"] = {k: state_dict[aliases.get(k, k)] for k in keys if aliases.get(k, k) in state_dict}
+    # Tensors an on_save_checkpoint hook added under keys the module does not have ([Note: what a
+    # checkpoint holds] in trainer.py) follow the module's keys.
+    named = set(keys) | set(aliases.values())
+    content["state_dict"].update({k: v for k, v in state_dict.items() if k not in named})
     if masters:
         content[MASTERS_KEY] = masters
     if meta:

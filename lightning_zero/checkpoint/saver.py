@@ -899,7 +899,7 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
 
 def load(state_dict: dict[str, Any], checkpoint_id: str, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None,
-         coordinator_rank: int | None = None) -> dict[str, Any]:
+         coordinator_rank: int | None = None, strict: bool = True) -> dict[str, Any]:
     """Fill the tensors and :class:`FlatShard` leaves of ``state_dict`` in place from a checkpoint
     of any mode (``sharded`` and ``full`` at any world size, ``local`` at the one it was saved
     with). Returns the checkpoint's non-tensor content (and, for ``full``, everything).
@@ -911,7 +911,8 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
 
     ``process_group`` (a gloo group) and ``coordinator_rank``: only that group's ranks load, as a
     unit, and their exchanges run over it (see :func:`async_save`); a ``local`` checkpoint is then
-    read by the rank's position in the group.
+    read by the rank's position in the group. ``strict=False``: tensors the checkpoint holds beyond
+    ``state_dict``'s are ignored (every leaf of ``state_dict`` must still be in it).
     """
     team = _team(process_group, coordinator_rank)
     loc = storage.resolve(checkpoint_id, storage_options)
@@ -919,7 +920,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
         error: BaseException | None = None
         finish: Callable[[], dict[str, Any]] | None = None
         try:
-            finish = _prepare_load(state_dict, loc, team)
+            finish = _prepare_load(state_dict, loc, team, strict)
         except Exception as exc:
             error = exc
         agree(error, loc, team)
@@ -1024,21 +1025,23 @@ def _sendable(error: BaseException) -> BaseException:
     return error
 
 
-def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team) -> Callable[[], dict[str, Any]]:
+def _prepare_load(state_dict: dict[str, Any], loc: Location, team: _Team,
+                  strict: bool = True) -> Callable[[], dict[str, Any]]:
     """Read and check without touching ``state_dict``; returns what completes the load."""
     marker = storage.read_marker(loc)
     if marker is None:
         content = _read_full_checked(loc)
-        _check_into(state_dict, content, loc.url, loc.path)
+        _check_into(state_dict, content, loc.url, loc.path, strict)
         return lambda: _copy_into(state_dict, content, loc.url)
     mode = marker.get("mode")
     if mode == "local":
         content = _read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, team.world_size),
                               team=team)
-        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), team.rank, team.world_size))
+        _check_into(state_dict, content, loc.url, _rank_file(_version_dir(loc, marker), team.rank, team.world_size),
+                    strict)
         return lambda: _copy_into(state_dict, content, loc.url)
     if mode == "sharded":
-        return _prepare_sharded(state_dict, loc, marker, team)
+        return _prepare_sharded(state_dict, loc, marker, team, strict)
     raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
 
 
@@ -1218,12 +1221,13 @@ def _read_full_checked(loc: Location) -> Any:
     return content
 
 
-def _check_into(target: Any, source: Any, url: str, file: str) -> None:
+def _check_into(target: Any, source: Any, url: str, file: str, strict: bool = True) -> None:
     """Same tensor keys and the same shapes (a flat shard of another shape has the same element count)."""
     check_same_keys(
         {"/".join(p) for p, leaf in walk(target) if is_tensor_leaf(leaf)},
         {"/".join(p) for p, leaf in walk(source) if is_tensor_leaf(leaf)},
         url,
+        strict,
     )
     found = {"/".join(p): leaf for p, leaf in walk(source)}
     for path, leaf in walk(target):
@@ -1354,12 +1358,12 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
 
 
 def _prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
-                     team: _Team) -> Callable[[], dict[str, Any]]:
+                     team: _Team, strict: bool = True) -> Callable[[], dict[str, Any]]:
     _, objects, found, reader, metadata = open_sharded(loc, marker)
     # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
     targets, _ = _split_for_dcp(map_leaves(state_dict, _empty_like))
-    check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url)
+    check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url, strict)
     _read_whole_where_saved_whole(state_dict, targets, metadata)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in _tensor_leaves(state_dict)}, found["shapes"], loc.url)

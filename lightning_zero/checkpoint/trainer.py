@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.tree import tensor_paths
+from lightning_zero.checkpoint.tree import check_same_keys, tensor_paths
 from lightning_zero.engine import ZeroEngine
 
 TREE_TAG = "lightning_zero"
@@ -68,8 +69,10 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
         tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: meta}
         if engine is not None:
+            # Masters only where the checkpoint holds the parameter itself (a hook may have replaced it).
+            kept = {_storage_key(v) for v in state_dict.values() if isinstance(v, Tensor)}
             masters = {sp.fqn: ckpt_state.flat_master(sp, engine.shard_size) for sp in engine.sharded_params.values()
-                       if sp.master.dtype != sp.param.dtype}
+                       if sp.master.dtype != sp.param.dtype and _storage_key(sp.param) in kept}
             if masters:
                 tree[MASTERS_KEY] = masters
         if with_optimizer:
@@ -77,6 +80,9 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
             tree["optimizer_states"] = ckpt_state.full_optimizer_states(engine)
     else:
         tree = ckpt_state.zero_state_dict(engine, module, meta=meta) if engine is not None else _weights_tree(module)
+        if "state_dict" in checkpoint:
+            tree["model"] = model_after_hooks(tree["model"], checkpoint["state_dict"], module,
+                                              engine.named_parameters() if engine is not None else None)
         if not with_optimizer:
             tree.pop("optimizer", None)
         tree["trainer"] = trainer_state_blob(trainer_state)
@@ -84,6 +90,39 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         tree[MARKER_FIELDS] = marker_fields(trainer_state)
     tree[TREE_TAG] = mode
     return tree
+
+
+def model_after_hooks(model: dict[str, Any], state_dict: dict[str, Any], module: nn.Module,
+                      named_parameters: list[tuple[str, nn.Parameter]] | None = None) -> dict[str, Any]:
+    """The ``model`` part of a ``local``/``sharded`` tree for Lightning's ``checkpoint["state_dict"]`` as
+    the ``on_save_checkpoint`` hooks left it ([Note: what a checkpoint holds]).
+
+    [Note: what a checkpoint holds] Lightning builds ``checkpoint["state_dict"]`` from the module, then
+    lets callbacks and the module edit it: a LoRA setup drops the frozen base, EMA puts its averaged
+    weights in, SWA's averaged weights are the module's own by then. A key whose value is still the
+    module's own tensor (the same storage) is written as it is in ``model`` (the exact fp32 master
+    shard of a sharded parameter, under its parameter name, once for tied names); a key whose value
+    was replaced or added is written whole, as every rank holds it; a key the hooks removed is not
+    written. ``named_parameters``: the engine's list (no wait for gathers), else the module's."""
+    own: dict[tuple[int, int, torch.dtype, tuple[int, ...]], str] = {}
+    for fqn, tensor in [*(named_parameters if named_parameters is not None else module.named_parameters()),
+                        *module.named_buffers()]:
+        own.setdefault(_storage_key(tensor), fqn)
+    edited: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, Tensor):
+            continue  # extra state of a module is not a tensor: it stays out of the tree, as before
+        fqn = own.get(_storage_key(value))
+        if fqn is not None and fqn in model:
+            edited.setdefault(fqn, model[fqn])
+        else:
+            edited[key] = value.detach().clone()
+    return edited
+
+
+def _storage_key(tensor: Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    """Equal for a parameter and its detached views in ``state_dict()``; different for any other tensor."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype, tuple(tensor.shape))
 
 
 def _weights_tree(module: nn.Module) -> dict[str, Any]:
@@ -141,10 +180,15 @@ def read_trainer_state(blob: bytes, url: str) -> dict[str, Any]:
 
 
 def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
-                          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                          storage_options: dict[str, Any] | None = None, *, strict: bool = True,
+                          may_lack: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Fill this rank's shards (masters, optimizer state, hyper-parameters) and the buffers from a
     checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
-    call :func:`publish` on every rank once every rank has loaded."""
+    call :func:`publish` on every rank once every rank has loaded.
+
+    ``strict`` (the LightningModule's ``strict_loading``): False keeps the module's values of weights
+    the checkpoint lacks and ignores the ones it holds in excess, with Lightning's warnings;
+    ``may_lack``: weights it may lack either way (saved with ``exclude_frozen_parameters``)."""
     options = storage_options or {}
     loc = storage.resolve(checkpoint_id, options)
     # [Note: shared metadata] in saver.py: a sharded checkpoint's .metadata is read by rank 0 only,
@@ -167,7 +211,9 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         saver.agree(error, loc)
         if mode == "full":
             if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
-                ckpt_state.load_full_into_engine(engine, module, content, masters=content.get(MASTERS_KEY))
+                keep_own_values(module, content["state_dict"], checkpoint_id, strict, may_lack)
+                ckpt_state.load_full_into_engine(engine, module, content, strict=strict,
+                                                 masters=content.get(MASTERS_KEY))
                 return content
             keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
         for index, optimizer in enumerate(engine.optimizers):
@@ -175,11 +221,46 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
         if not any(k.startswith("optimizer/") for k in keys):
             tree.pop("optimizer")
-        objects = saver.load(tree, checkpoint_id, storage_options=options)
+        saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
+        for fqn in missing_weights(set(tree["model"]), saved_model, checkpoint_id, strict, may_lack):
+            del tree["model"][fqn]  # its master keeps the module's value
+        objects = saver.load(tree, checkpoint_id, storage_options=options, strict=strict)
         for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
             ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
         content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
         return {**content, "state_dict": module.state_dict()}
+
+
+def missing_weights(expected: set[str], saved: set[str], url: str, strict: bool,
+                    may_lack: frozenset[str] = frozenset()) -> set[str]:
+    """The expected weights a checkpoint lacks, which a load leaves as the module has them: those in
+    ``may_lack`` always, any with ``strict=False`` (warned about as Lightning's ``load_from_checkpoint``
+    warns, as are the weights it holds in excess). With ``strict`` any other difference is left for
+    the load's own key check to refuse."""
+    lacking = expected - saved
+    if strict:
+        return lacking & may_lack
+    reported = sorted(lacking - may_lack)
+    if reported:
+        rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint {url!r}: {reported}"
+                       " (they keep the module's values: strict_loading is False)")
+    excess = sorted(saved - expected)
+    if excess:
+        rank_zero_warn(f"Found keys that are not in the model state dict but in the checkpoint {url!r}: {excess}"
+                       " (ignored: strict_loading is False)")
+    return lacking
+
+
+def keep_own_values(module: nn.Module, state_dict: dict[str, Any], url: str, strict: bool,
+                    may_lack: frozenset[str] = frozenset()) -> None:
+    """Put the module's own values into a whole ``state_dict`` where it lacks weights a load leaves as
+    they are (:func:`missing_weights`), so that ``load_state_dict`` checks the rest as asked."""
+    own = module.state_dict()
+    lacking = missing_weights(set(own), set(state_dict), url, strict, may_lack)
+    if strict:
+        check_same_keys(set(own) - lacking, set(state_dict), url)
+    for key in lacking:
+        state_dict[key] = own[key]
 
 
 def publish(engine: ZeroEngine, module: nn.Module) -> None:
@@ -199,9 +280,11 @@ def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: s
 
 
 @torch.no_grad()
-def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
+                 strict: bool = True, may_lack: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
-    from any mode and at any world size; no optimizer state. Returns Lightning's part."""
+    from any mode and at any world size; no optimizer state. Returns Lightning's part. ``strict`` and
+    ``may_lack`` as in :func:`load_zero_state_local`."""
     content = read_lightning_checkpoint(checkpoint_id, storage_options, optimizer=False)
     state_dict = dict(content["state_dict"])
     masters = content.get(MASTERS_KEY) or {}
@@ -209,7 +292,8 @@ def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[st
     for fqn, master in masters.items():
         if fqn in params:
             state_dict[fqn] = master.reshape(params[fqn].shape)  # exact values; load_state_dict casts once
-    module.load_state_dict(state_dict)
+    keep_own_values(module, state_dict, checkpoint_id, strict, may_lack)
+    module.load_state_dict(state_dict, strict=strict)
     content.pop("optimizer_states", None)
     return {**content, "state_dict": module.state_dict()}
 

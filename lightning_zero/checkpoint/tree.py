@@ -100,12 +100,14 @@ def tensor_paths(tree: Any) -> set[str]:
     return {"/".join(path) for path, leaf in walk(tree) if is_tensor_leaf(leaf)}
 
 
-def check_same_keys(expected: set[str], found: set[str], url: str) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
+def check_same_keys(expected: set[str], found: set[str], url: str, strict: bool = True) -> None:
+    """``strict=False``: keys found beyond the expected ones are allowed (every expected one must be there)."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected) if strict else []
     if missing or unexpected:
         raise KeyError(
             f"Checkpoint {url!r} does not match this model/optimizer: missing keys {missing[:20]}"
             f"{' ...' if len(missing) > 20 else ''}, unexpected keys {unexpected[:20]}"
             f"{' ...' if len(unexpected) > 20 else ''}. It was probably saved from another model; load it into"
-            " the model it was saved from."
+            " the model it was saved from (a LightningModule with `strict_loading = False` keeps its own values of"
+            " weights the checkpoint lacks and ignores the ones it has in excess)."
         )
