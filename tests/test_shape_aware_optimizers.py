@@ -325,3 +325,38 @@ def test_hybrid_checkpoint_resumes_exactly_and_reshards_to_a_flat_world(checkpoi
     flat = run_distributed(resume, 2, Run(optimizer), f"{root}/sharded.ckpt", start_method="forkserver")
     for rank, params in enumerate(flat):
         assert_params_close(params, expected(optimizer, (4, 4, 2, 2)), f"rank {rank}")
+
+
+def _fit_checkpointed(optimizer: str, mode: str, root: str, max_epochs: int, ckpt_path: str | None) -> dict[str, Any]:
+    """2 steps an epoch (global batches 0 and 1) on 2 processes, ``last.ckpt`` saved every epoch."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy
+
+    module = MixModule(optimizer)
+    if ckpt_path is not None:  # a resume equals the run only if the checkpoint was really loaded
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, max_epochs=max_epochs, use_distributed_sampler=False, logger=False,
+        strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0003, start_method="forkserver"),
+        plugins=[ZeroCheckpointIO(mode=mode, async_save=True)],
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True)], enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(GlobalBatches(2, 2), batch_size=None, shuffle=False), ckpt_path=ckpt_path)
+    return {n: p.detach().clone() for n, p in module.net.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "mode"), [("muon-adamw", "sharded"), ("adafactor", "local")])
+def test_trainer_resume_from_last_continues_like_pytorch(tmp_path: Any, optimizer: str, mode: str) -> None:
+    _fit_checkpointed(optimizer, mode, str(tmp_path), 1, None)
+    resumed = _fit_checkpointed(optimizer, mode, str(tmp_path), 2, str(tmp_path / "last.ckpt"))
+    model = initial_mixnet()
+    opts = make_optimizers(optimizer, model)
+    plain_train(model, opts, {0: 2, 1: 2})
+    assert_params_close(resumed, plain_train(model, opts, {0: 2, 1: 2}), "rank 0")
