@@ -260,6 +260,21 @@ class ZeroEngine:
         for sp in self.sharded_params.values():
             sp.adopt_param_writes(compare_values)
 
+    def check_trainable_unchanged(self) -> None:
+        """Raise if a parameter an optimizer holds was frozen or unfrozen since setup (every rank alike).
+
+        Which parameters communicate gradients is fixed when the engine is built (buckets, hooks and
+        the order of collectives); a parameter unfrozen later would get gradients that are never reduced
+        or applied, one frozen later would still be updated from zero gradients' optimizer state."""
+        changed = [sp.fqn for sp in self.sharded_params.values() if sp.param.requires_grad != sp.bucket.communicates]
+        if changed:
+            raise RuntimeError(
+                f"requires_grad of {changed[:10]}{' ...' if len(changed) > 10 else ''} changed after ZeroLowLevelStrategy"
+                " was set up; which parameters train is fixed when fit starts (gradient buckets and hooks are"
+                " built then). Set requires_grad before `trainer.fit` and hold parameters back with an lr=0 param"
+                " group instead of freezing and unfreezing them (BaseFinetuning is not supported)."
+            )
+
     def publish_masters(self) -> None:
         """All-gather every master shard into the model (after the masters were loaded)."""
         for opt in self.optimizers:

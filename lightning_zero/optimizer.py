@@ -8,18 +8,21 @@ the shards; the updated shards' all-gathers are launched (:class:`~lightning_zer
 and either finished before ``step`` returns or, with ``overlap_param_gather``, during the next
 forward ([Note: gather overlap] in buckets.py).
 
-[Note: wrapping the user's optimizer] The user's optimizer object is kept and its param
-groups are rewritten to hold the master shards, so LR schedulers built over it keep working
-and every option of every group is kept. :class:`ZeroOptimizer` shares ``param_groups``,
+[Note: wrapping the user's optimizer] The user's optimizer object is kept, and its param
+groups keep the module's parameters, as Lightning and its callbacks (BaseFinetuning, SWA,
+LearningRateMonitor) read them; LR schedulers built over it keep working and every option of every
+group is kept. Only for a step (and its state dict) do the groups hold this rank's master shards
+(:meth:`ZeroOptimizer.masters_in_groups`), and the state is keyed by the masters. :class:`ZeroOptimizer` shares ``param_groups``,
 ``state`` and ``defaults`` with it through properties, so that even ``load_state_dict``
 (which replaces those attributes on the inner optimizer) cannot make the two disagree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero import _collectives as comm
 from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
-from lightning_zero.whole_step import WholeParamStep, is_split_state
+from lightning_zero.whole_step import WholeParamStep, is_split_state, swap_params
 
 
 class ZeroOptimizer(Optimizer):
@@ -49,9 +52,6 @@ class ZeroOptimizer(Optimizer):
             )
         # State made by the constructor (Adagrad's accumulators; the same on every rank) is sharded.
         constructed = dict(inner.state)
-        by_param = {sp.param: sp for sp in sharded_params}
-        for group_dict in inner.param_groups:
-            group_dict["params"] = [by_param[p].master for p in group_dict["params"]]
         self.inner = inner
         self.sharded_params = list(sharded_params)  # in param_groups order
         self.process_group = group
@@ -66,7 +66,9 @@ class ZeroOptimizer(Optimizer):
         # Optimizer.__init__ resets param_groups/state through the delegating properties and
         # re-adds the very same group dicts (see [Note: wrapping the user's optimizer]).
         groups = list(inner.param_groups)
+        self._constructed = False
         super().__init__(groups, inner.defaults)
+        self._constructed = True
         self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._skip_update = False
         # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
@@ -131,10 +133,33 @@ class ZeroOptimizer(Optimizer):
         """The user's optimizer on this rank's shards (and, shape-aware, on whole parameters:
         [Note: whole-matrix step], collective over the shard group unless ``gather`` is False, which
         only a zero-lr step creating state before a checkpoint load may use)."""
-        if self.whole_step is None:
-            self.inner.step()
+        with self.masters_in_groups():
+            if self.whole_step is None:
+                self.inner.step()
+            else:
+                self.whole_step.run(self.inner.step, gather)
+
+    @contextlib.contextmanager
+    def masters_in_groups(self) -> Iterator[None]:
+        """The user's optimizer holding this rank's master shards in its param groups, for a step or
+        its state dict; the module's parameters again afterwards ([Note: wrapping the user's optimizer])."""
+        swap_params(self.inner, {sp.param: sp.master for sp in self.sharded_params})
+        try:
+            yield
+        finally:
+            swap_params(self.inner, {sp.master: sp.param for sp in self.sharded_params})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self.__dict__.get("_constructed", False):
+            super().add_param_group(param_group)  # Optimizer.__init__ re-adding the user's groups
             return
-        self.whole_step.run(self.inner.step, gather)
+        raise NotImplementedError(
+            f"{type(self.inner).__name__}.add_param_group during training is not supported by ZeroLowLevelStrategy:"
+            " the engine shards the parameters the optimizers hold when fit starts, trainable or frozen as they"
+            " are then (gradient buckets, hooks and master shards are built then). Put every parameter that will"
+            " train into `configure_optimizers` with requires_grad=True, and hold a part back with a param group"
+            " of lr=0 (raised later by your own callback) instead of BaseFinetuning's unfreeze_and_add_param_group."
+        )
 
     def skip_next_update(self) -> None:
         """Make the next :meth:`step` run its closure but leave the shards and their state as they
@@ -205,6 +230,15 @@ class ZeroOptimizer(Optimizer):
             torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
         return total
 
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clip shard gradients element-wise, like ``clip_grad_value_`` on the whole gradients."""
+        self._prepare_update()
+        grads = [sp.grad_shard for sp in self.sharded_params if sp.has_grad]
+        if grads:
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients: full ones not yet reduced and the reduced shards."""
         # Presence counts of a backward no step consumed go too (they live on the device).
@@ -221,10 +255,12 @@ class ZeroOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, in the inner optimizer's format."""
-        return self.inner.state_dict()
+        with self.masters_in_groups():
+            return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+        with self.masters_in_groups():
+            self.inner.load_state_dict(state_dict)
 
     @property
     def optimizer(self) -> Optimizer:

@@ -256,14 +256,15 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def _route_precision_plugin(self) -> None:
         """Make Lightning's clipping and fp16 loss scaling see all shards, not this rank's.
 
-        [Note: clipping] Lightning's precision plugin clips with ``clip_grad_norm_`` over the
-        optimizer's parameters, which here are shards: that norm is local and wrong. The plugin
-        instance is told to ask the optimizer for the global norm instead; clipping by value is
-        element-wise and already right on shards.
+        [Note: clipping] Lightning's precision plugin clips the gradients of the optimizer's
+        param-group parameters: the module's, whose gradients are in the engine's shards (stage 2 frees
+        them bucket by bucket). The plugin instance is told to ask the optimizer instead: the norm over
+        every rank's shards, and clipping by value (element-wise) on this rank's shard.
         """
         plugin = self.precision_plugin
-        # A module-level function (not a closure): the Trainer, and its plugin, pickle after fit.
+        # Module-level functions (not closures): the Trainer, and its plugin, pickle after fit.
         plugin.clip_grad_by_norm = _clip_grad_by_global_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = _clip_grad_by_value_on_shards  # type: ignore[method-assign]
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # All ranks must skip an overflowing step together: the found-inf flag is all-reduced.
             plugin.scaler = self.engine.grad_scaler(init_scale=plugin.scaler.get_scale())
@@ -281,6 +282,14 @@ class ZeroLowLevelStrategy(DDPStrategy):
         # After the callbacks' and the module's on_fit_start/on_train_start (and on_load_checkpoint).
         self._adopt_module_writes()
         super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # After the callbacks' and the module's on_train_epoch_start/on_train_batch_start: where a
+        # fine-tuning callback unfreezes a part of the model.
+        if self._engine is not None and self._engine_live:
+            self._engine.check_trainable_unchanged()
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_validation_end(self) -> None:
@@ -481,6 +490,11 @@ class _ClaimAwareExists:
     def __call__(self, filepath: Any, trainer: Trainer) -> bool:
         taken = trainer.is_global_zero and (self.io.is_claimed(filepath) or self.callback._fs.exists(filepath))
         return trainer.strategy.reduce_boolean_decision(bool(taken), all=False)
+
+
+def _clip_grad_by_value_on_shards(optimizer: Optimizer, clip_val: float) -> None:
+    """Lightning's ``Precision.clip_grad_by_value``, on this rank's shards ([Note: clipping])."""
+    _unwrap(optimizer).clip_grad_value_(clip_val)
 
 
 def _clip_grad_by_global_norm(optimizer: Optimizer, clip_val: float) -> None:

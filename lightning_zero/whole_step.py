@@ -148,12 +148,12 @@ class WholeParamStep:
         else:
             for _, target, _ in pieces:
                 target.zero_()
-        _swap_params(self.inner, {sp.master: full for sp, full in self._active})
+        swap_params(self.inner, {sp.master: full for sp, full in self._active})
 
     @torch.no_grad()
     def _end(self, write_masters: bool = True) -> None:
         """Keep this rank's slices of the updated parameters and split state; drop the full tensors."""
-        _swap_params(self.inner, {full: sp.master for sp, full in self._active})
+        swap_params(self.inner, {full: sp.master for sp, full in self._active})
         for sp, full in self._active:
             if write_masters:
                 sp.master.copy_(sp.own_elements(full))
@@ -175,7 +175,8 @@ def _full_param(sp: ShardedParam) -> nn.Parameter:
     return nn.Parameter(torch.empty(sp.param.shape, dtype=sp.master.dtype, device=sp.master.device))
 
 
-def _swap_params(inner: Optimizer, replace: dict[Tensor, Tensor]) -> None:
+def swap_params(inner: Optimizer, replace: dict[Tensor, Tensor]) -> None:
+    """Replace tensors in the optimizer's param-group lists, in place (every holder of a list sees it)."""
     for group in inner.param_groups:  # in place: whoever holds a group's list sees the same one
         group["params"][:] = [replace.get(p, p) for p in group["params"]]
 

@@ -291,3 +291,51 @@ def new_head_resume(rank: int, world_size: int, root: str, mode: str, strict: bo
     except Exception as exc:  # the strict case: every rank raises
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": None, "extra_before": extra_before, "global_step": trainer.global_step}
+
+
+class GroupNames(Callback):
+    """What BaseFinetuning and other callbacks do with the optimizer: map its parameters to names."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        names = {p: n for n, p in pl_module.named_parameters()}
+        self.names = [[names[p] for p in group["params"]] for group in trainer.optimizers[0].param_groups]
+
+
+def optimizer_views(rank: int, world_size: int, root: str, strategy: str) -> dict[str, Any]:
+    """Param-group names as callbacks see them, and the weights after 4 steps clipped by value
+    (``gradient_clip_algorithm="value"``, a bound small enough to clip)."""
+    as_torchrun(rank, world_size)
+    probe = GroupNames()
+    module = EvalNet(optimizer="sgd")
+    trainer = make_trainer(world_size, strategy, root, callbacks=[probe])
+    trainer.gradient_clip_val = 0.002
+    trainer.gradient_clip_algorithm = "value"
+    trainer.fit(module, loader(4, 1, world_size))
+    return {"names": probe.names, "weights": _weights(module)}
+
+
+class Backbone(EvalNet):
+    """BackboneFinetuning's contract: a ``backbone`` attribute, the rest trained from the start."""
+
+    def __init__(self, filter_trainable: bool) -> None:
+        super().__init__()
+        self.backbone = self.net.embed
+        self.filter_trainable = filter_trainable
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad or not self.filter_trainable]
+        return torch.optim.SGD(params, lr=0.1)
+
+
+def backbone_finetuning(rank: int, world_size: int, root: str, filter_trainable: bool) -> str:
+    """Lightning's BackboneFinetuning unfreezing the backbone at epoch 1: the error every rank raised."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    as_torchrun(rank, world_size)
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    trainer = make_trainer(world_size, "zero", root, max_epochs=2, callbacks=[finetuning])
+    try:
+        trainer.fit(Backbone(filter_trainable), loader(2, 1, world_size))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

@@ -140,7 +140,7 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         if case.clip_norm is not None:
             opt.clip_grad_norm_(case.clip_norm)
         if case.clip_value is not None:
-            torch.nn.utils.clip_grad_value_([p for g in opt.param_groups for p in g["params"]], case.clip_value)
+            opt.clip_grad_value_(case.clip_value)
         opt.step()
         if sched is not None:
             sched.step()
@@ -252,8 +252,8 @@ def run_loss_scaling(rank: int, world_size: int, dtype_name: str, clip_norm: flo
 
     initial = params()
     scaled_backward(0)
-    local_grads_finite = all(bool(m.grad.isfinite().all()) for m in opt.inner.param_groups[0]["params"]
-                             if m.grad is not None)
+    local_grads_finite = all(bool(sp.master.grad.isfinite().all()) for sp in opt.sharded_params
+                             if sp.master.grad is not None)
     poisoned = next(sp for sp in engine.sharded_params.values() if sp.fqn == "head.weight")
     if rank == 1:
         assert poisoned.shard_numel > 0 and poisoned.master.grad is not None

@@ -17,6 +17,8 @@ import pytest
 import torch
 from _dist import run_distributed
 from contract_cases import (
+    backbone_finetuning,
+    optimizer_views,
     adapter_run,
     ema_run,
     new_head_resume,
@@ -167,3 +169,24 @@ def test_strict_loading_decides_whether_weights_the_checkpoint_lacks_are_an_erro
     lenient = _on_ranks(new_head_resume, str(tmp_path / "lenient"), mode, False)
     for result in lenient:
         assert result["error"] is None and result["global_step"] == 2
+
+
+def test_optimizer_param_groups_show_the_module_parameters_and_clip_by_value_as_ddp(tmp_path: Any) -> None:
+    """Callbacks map the optimizer's parameters to the module's names (BaseFinetuning, SWA, LR monitors):
+    the groups hold the module's parameters, as under ddp; Lightning's clipping by value reaches the
+    shards (it clipped the module's gradients, which ZeRO does not keep)."""
+    ddp = _on_ranks(optimizer_views, str(tmp_path), "ddp")[0]
+    zero = _on_ranks(optimizer_views, str(tmp_path), "zero")[0]
+    assert zero["names"] == ddp["names"]
+    assert_close_dicts(zero["weights"], ddp["weights"], "weights clipped by value")
+
+
+@pytest.mark.parametrize("filter_trainable", [True, False])
+def test_backbone_finetuning_is_refused_with_the_way_out(tmp_path: Any, filter_trainable: bool) -> None:
+    """Unfreezing during fit (add_param_group, or requires_grad turned on for a parameter an optimizer
+    holds) is not supported yet: every rank stops with an error that says so, instead of a KeyError
+    (add_param_group) or a backbone that silently never trains (requires_grad)."""
+    errors = _on_ranks(backbone_finetuning, str(tmp_path), filter_trainable)
+    expected = "add_param_group during training" if filter_trainable else "requires_grad of"
+    for error in errors:
+        assert expected in error and "lr=0" in error, error

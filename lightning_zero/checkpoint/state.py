@@ -44,7 +44,7 @@ def _is_full_state(key: str, value: Any, sp: ShardedParam) -> bool:
 
 
 def _param_groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
-    fqn = {sp.master: sp.fqn for sp in opt.sharded_params}
+    fqn = {tensor: sp.fqn for sp in opt.sharded_params for tensor in (sp.param, sp.master)}
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[p] for p in g["params"]]}
             for g in opt.param_groups]
 
@@ -124,7 +124,7 @@ def full_optimizer_states(engine: ZeroEngine) -> list[dict[str, Any]]:
     """Per-parameter optimizer state (``torch.optim.Optimizer.state_dict`` layout), shards as FlatShard."""
     out = []
     for opt in engine.optimizers:
-        index = {sp.master: i for i, sp in enumerate(opt.sharded_params)}
+        index = {tensor: i for i, sp in enumerate(opt.sharded_params) for tensor in (sp.param, sp.master)}
         state: dict[int, Any] = {}
         for sp in opt.sharded_params:
             entry = opt.state.get(sp.master)
