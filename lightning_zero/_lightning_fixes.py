@@ -152,14 +152,18 @@ def install_checkpoint_reader() -> None:
         return
     original = saving.pl_load
 
-    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    # Only the arguments the caller gave are passed on: Lightning's own defaults apply to the rest.
+    # Its `weights_only` default differs by version (False before 2.6, None meaning torch's default
+    # from 2.6), and Lightning before 2.6 calls this without it; a default of ours would turn an
+    # ordinary `load_from_checkpoint` into a different kind of load.
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
         from lightning_zero.checkpoint import reader
 
         if isinstance(path_or_url, (str, os.PathLike)) and reader.is_zero_checkpoint(os.fspath(path_or_url)):
             checkpoint = reader.read_lightning_checkpoint(os.fspath(path_or_url), optimizer=False)
             checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
             return checkpoint
-        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+        return original(path_or_url, *args, **kwargs)
 
     pl_load._lightning_zero = True  # type: ignore[attr-defined]
     saving.pl_load = pl_load
