@@ -150,6 +150,16 @@ class ZeroEngine:
         self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)
 
         self.device = _module_device(module, group)
+        self._module = module
+        self.gather_group = _gather_group(self.shard_group, config, self.shard_size, group, self.layout)
+        self.optimizers: list[ZeroOptimizer] = []
+        self._build(named, optimizers, kinds)
+
+    def _build(self, named: list[tuple[str, nn.Parameter]], optimizers: Sequence[Optimizer], kinds: list[str]) -> None:
+        """Buckets, shards, hooks and guards for the optimized parameters ``named``; the optimizers are
+        made (the first time) or bound again (:meth:`rebuild`). No collective: the layout is arithmetic,
+        the same on every rank."""
+        config = self.config
         # Launch order: reverse registration order, the usual order gradients arrive in.
         trainable = [(fqn, p) for fqn, p in reversed(named) if p.requires_grad]
         frozen = [(fqn, p) for fqn, p in named if not p.requires_grad]
@@ -170,30 +180,69 @@ class ZeroEngine:
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
         self.pool = BufferPool()
-        self.gather_group = _gather_group(self.shard_group, config, self.shard_size, group, self.layout)
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
                                       background=config.overlap_param_gather and self.shard_size > 1)
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
                                    self.pool, before_first_reduction=self.finish_param_gather,
                                    replica_group=self.replica_group)
-        self.optimizers = [
-            ZeroOptimizer(
-                opt,
-                [self.sharded_params[p] for g in opt.param_groups for p in g["params"]],
-                self.shard_group,  # the global norm: replicas hold equal shards, each counts once
-                self.reducer,
-                self.gatherer,
-                self.device,
-                config.overlap_param_gather,
-                shape_aware=kind == "shape_aware",
-                whole_step_group_bytes=None if config.whole_step_group_mb is None
-                else int(config.whole_step_group_mb * _MB),
-            )
-            for opt, kind in zip(optimizers, kinds, strict=True)
-        ]
-        self._module = module
-        self._guarded = _guard_parameter_reads(module, self.sharded_params, self.gatherer) \
+        if self.optimizers:
+            for zero_opt in self.optimizers:
+                zero_opt.bind([self.sharded_params[p] for g in zero_opt.param_groups for p in g["params"]],
+                              self.reducer, self.gatherer)
+        else:
+            self.optimizers = [
+                ZeroOptimizer(
+                    opt,
+                    [self.sharded_params[p] for g in opt.param_groups for p in g["params"]],
+                    self.shard_group,  # the global norm: replicas hold equal shards, each counts once
+                    self.reducer,
+                    self.gatherer,
+                    self.device,
+                    config.overlap_param_gather,
+                    shape_aware=kind == "shape_aware",
+                    whole_step_group_bytes=None if config.whole_step_group_mb is None
+                    else int(config.whole_step_group_mb * _MB),
+                )
+                for opt, kind in zip(optimizers, kinds, strict=True)
+            ]
+        for zero_opt in self.optimizers:
+            zero_opt.groups_changed = self.rebuild
+        self._guarded = _guard_parameter_reads(self._module, self.sharded_params, self.gatherer) \
             if config.overlap_param_gather else []
+
+    def trainable_changed(self) -> bool:
+        """Whether a parameter an optimizer holds was frozen or unfrozen since the buckets were built."""
+        return any(sp.param.requires_grad != sp.bucket.communicates for sp in self.sharded_params.values())
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """Build the buckets again for what the optimizers hold now and which parameters require grad,
+        keeping every master shard and optimizer state (every rank alike, between steps).
+
+        [Note: rebuilding] Which parameters communicate, in which bucket and order, is fixed when the
+        buckets are built; fine-tuning callbacks change it during fit (BaseFinetuning unfreezes a backbone
+        and adds it to the optimizer with ``add_param_group``). Each rank rebuilds from the same
+        arithmetic, with no collective (the process groups stay); the masters and the optimizer state of
+        the parameters held before move to their new shards (the same even split: the same shapes).
+        Gradients accumulated and not yet stepped are dropped: Lightning calls these hooks between steps."""
+        self.finish_param_gather()
+        previous = dict(self.sharded_params)
+        self.reducer.remove_hooks()
+        _unguard_parameter_reads(self._guarded)
+        self.pool.clear()
+        inner = [opt.inner for opt in self.optimizers]
+        named = _optimized_params(self._module, inner)
+        self._build(named, inner, [])
+        for param, sp in self.sharded_params.items():
+            before = previous.get(param)
+            if before is None:
+                continue  # newly added: the master is the module's value, no state yet
+            sp.master.copy_(before.master)
+            sp.adopted_version = before.adopted_version
+            sp.split_state_keys = before.split_state_keys
+            for opt in self.optimizers:
+                if before.master in opt.state:
+                    opt.state[sp.master] = opt.state.pop(before.master)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters by name, as ``module.named_parameters()`` gives them, without
@@ -259,21 +308,6 @@ class ZeroEngine:
             self.finish_param_gather()
         for sp in self.sharded_params.values():
             sp.adopt_param_writes(compare_values)
-
-    def check_trainable_unchanged(self) -> None:
-        """Raise if a parameter an optimizer holds was frozen or unfrozen since setup (every rank alike).
-
-        Which parameters communicate gradients is fixed when the engine is built (buckets, hooks and
-        the order of collectives); a parameter unfrozen later would get gradients that are never reduced
-        or applied, one frozen later would still be updated from zero gradients' optimizer state."""
-        changed = [sp.fqn for sp in self.sharded_params.values() if sp.param.requires_grad != sp.bucket.communicates]
-        if changed:
-            raise RuntimeError(
-                f"requires_grad of {changed[:10]}{' ...' if len(changed) > 10 else ''} changed after ZeroLowLevelStrategy"
-                " was set up; which parameters train is fixed when fit starts (gradient buckets and hooks are"
-                " built then). Set requires_grad before `trainer.fit` and hold parameters back with an lr=0 param"
-                " group instead of freezing and unfreezing them (BaseFinetuning is not supported)."
-            )
 
     def publish_masters(self) -> None:
         """All-gather every master shard into the model (after the masters were loaded)."""

@@ -53,16 +53,14 @@ class ZeroOptimizer(Optimizer):
         # State made by the constructor (Adagrad's accumulators; the same on every rank) is sharded.
         constructed = dict(inner.state)
         self.inner = inner
-        self.sharded_params = list(sharded_params)  # in param_groups order
         self.process_group = group
-        self._reducer = reducer
-        self._gatherer = gatherer
         self._device = device  # for tensors when this rank holds no gradient (fallbacks only)
         self._overlap_param_gather = overlap_param_gather
-        self._buckets: list[GradBucket] = list(dict.fromkeys(sp.bucket for sp in sharded_params))
-        owned = {id(sp) for sp in sharded_params}
-        self._whole_buckets = [b for b in self._buckets if all(id(sp) in owned for sp in b.params)]
-        self._partial = [sp for sp in sharded_params if sp.bucket not in self._whole_buckets]
+        self._shape_aware = shape_aware
+        self._whole_step_group_bytes = whole_step_group_bytes
+        self.groups_changed: Callable[[], None] | None = None
+        """Called after ``add_param_group`` during training: the engine rebuilds its buckets (ZeroEngine.rebuild)."""
+        self.bind(sharded_params, reducer, gatherer)
         # Optimizer.__init__ resets param_groups/state through the delegating properties and
         # re-adds the very same group dicts (see [Note: wrapping the user's optimizer]).
         groups = list(inner.param_groups)
@@ -71,12 +69,24 @@ class ZeroOptimizer(Optimizer):
         self._constructed = True
         self._pre_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._skip_update = False
-        # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
-        self.whole_step = WholeParamStep(inner, self.sharded_params, group, updates_each_parameter_alone(inner),
-                                         whole_step_group_bytes) if shape_aware else None
         for sp in self.sharded_params:
             if sp.param in constructed:
                 self.state[sp.master] = _shard_state(constructed[sp.param], sp)
+
+    def bind(self, sharded_params: Sequence[ShardedParam], reducer: GradReducer, gatherer: ParamGatherer) -> None:
+        """Step these shards (in param_groups order) with this reducer's gradients and gatherer; the engine
+        binds again when it rebuilds its buckets."""
+        self.sharded_params = list(sharded_params)
+        self._reducer = reducer
+        self._gatherer = gatherer
+        self._buckets: list[GradBucket] = list(dict.fromkeys(sp.bucket for sp in sharded_params))
+        owned = {id(sp) for sp in sharded_params}
+        self._whole_buckets = [b for b in self._buckets if all(id(sp) in owned for sp in b.params)]
+        self._partial = [sp for sp in sharded_params if sp.bucket not in self._whole_buckets]
+        # Shape-aware optimizers (optimizer_kinds.py) step whole parameters: [Note: whole-matrix step].
+        self.whole_step = WholeParamStep(self.inner, self.sharded_params, self.process_group,
+                                         updates_each_parameter_alone(self.inner), self._whole_step_group_bytes) \
+            if self._shape_aware else None
 
     # The inner optimizer is the one source of truth for groups, state and defaults.
     @property  # type: ignore[override]
@@ -150,16 +160,18 @@ class ZeroOptimizer(Optimizer):
             swap_params(self.inner, {sp.master: sp.param for sp in self.sharded_params})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of the module's parameters, as on any optimizer; during training (BaseFinetuning's
+        ``unfreeze_and_add_param_group``) the engine then shards them too (every rank alike, between steps)."""
         if not self.__dict__.get("_constructed", False):
             super().add_param_group(param_group)  # Optimizer.__init__ re-adding the user's groups
             return
-        raise NotImplementedError(
-            f"{type(self.inner).__name__}.add_param_group during training is not supported by ZeroLowLevelStrategy:"
-            " the engine shards the parameters the optimizers hold when fit starts, trainable or frozen as they"
-            " are then (gradient buckets, hooks and master shards are built then). Put every parameter that will"
-            " train into `configure_optimizers` with requires_grad=True, and hold a part back with a param group"
-            " of lr=0 (raised later by your own callback) instead of BaseFinetuning's unfreeze_and_add_param_group."
-        )
+        if self.groups_changed is None:
+            raise RuntimeError(
+                f"{type(self.inner).__name__}.add_param_group: this ZeroOptimizer's engine is closed (fit has ended);"
+                " parameters can be added while it trains."
+            )
+        self.inner.add_param_group(param_group)
+        self.groups_changed()
 
     def skip_next_update(self) -> None:
         """Make the next :meth:`step` run its closure but leave the shards and their state as they

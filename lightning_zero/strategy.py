@@ -287,8 +287,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # After the callbacks' and the module's on_train_epoch_start/on_train_batch_start: where a
         # fine-tuning callback unfreezes a part of the model.
-        if self._engine is not None and self._engine_live:
-            self._engine.check_trainable_unchanged()
+        if self._engine is not None and self._engine_live and self._engine.trainable_changed():
+            self._engine.rebuild()  # [Note: rebuilding] in engine.py
         super().on_train_batch_start(batch, batch_idx)
 
     @override

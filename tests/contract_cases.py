@@ -327,15 +327,45 @@ class Backbone(EvalNet):
         return torch.optim.SGD(params, lr=0.1)
 
 
-def backbone_finetuning(rank: int, world_size: int, root: str, filter_trainable: bool) -> str:
-    """Lightning's BackboneFinetuning unfreezing the backbone at epoch 1: the error every rank raised."""
-    from lightning.pytorch.callbacks import BackboneFinetuning
+def finetuning_run(rank: int, world_size: int, root: str, filter_trainable: bool, stage: int) -> dict[str, Any]:
+    """Lightning's BaseFinetuning: the backbone frozen before training, unfrozen at epoch 1 with
+    ``unfreeze_and_add_param_group`` (lr 0.05). ``filter_trainable``: configure_optimizers leaves the frozen
+    backbone out, so the callback adds it (``add_param_group``); otherwise the optimizer holds it from the
+    start and unfreezing only turns requires_grad on. The weights after 2 epochs of 2 steps."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module: LightningModule) -> None:
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Any) -> None:
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.05)
 
     as_torchrun(rank, world_size)
-    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
-    trainer = make_trainer(world_size, "zero", root, max_epochs=2, callbacks=[finetuning])
-    try:
-        trainer.fit(Backbone(filter_trainable), loader(2, 1, world_size))
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    module = Backbone(filter_trainable)
+    trainer = make_trainer(world_size, "zero", root, max_epochs=2, callbacks=[Unfreeze()], stage=stage)
+    trainer.fit(module, loader(2, 1, world_size))
+    return _weights(module)
+
+
+def finetuning_reference(world_size: int, filter_trainable: bool) -> dict[str, torch.Tensor]:
+    """:func:`finetuning_run` in one plain PyTorch process on the same global batches."""
+    import torch.nn.functional as F
+    from engine_cases import global_batch
+
+    module = Backbone(filter_trainable)
+    module.backbone.requires_grad_(False)
+    optimizer = module.configure_optimizers()
+    for epoch in range(2):
+        if epoch == 1:
+            module.backbone.requires_grad_(True)
+            if filter_trainable:
+                optimizer.add_param_group({"params": list(module.backbone.parameters()), "lr": 0.05})
+        for step in range(2):
+            x, y = global_batch(step, 0, world_size)
+            loss = sum(F.mse_loss(module.net(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size)))
+            optimizer.zero_grad()
+            (loss / world_size).backward()
+            optimizer.step()
+    return _weights(module)

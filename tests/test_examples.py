@@ -31,3 +31,27 @@ def test_hf_example_exports_a_folder_that_from_pretrained_reads_with_the_trained
     trained = dict(model.named_parameters())
     changed = [name for name, p in initial.named_parameters() if not torch.equal(p, trained[name])]
     assert changed, "the exported weights are the untrained ones"
+
+
+@pytest.mark.slow
+def test_lora_example_saves_adapters_only_resumes_on_three_processes_and_exports_the_merged_model(
+        tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "examples/lora_gpt2.py", "--root", str(tmp_path), "--steps", "10"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[lora]")]
+    assert lines[0].startswith("[lora] 2 processes, global step 10") and lines[1].startswith("[lora] 3 processes, global"
+                                                                                             " step 20"), lines
+    from lightning_zero.checkpoint import read_lightning_checkpoint
+
+    saved = read_lightning_checkpoint(str(tmp_path / "checkpoints" / "last.ckpt"), optimizer=False)
+    assert saved["global_step"] == 20 and saved["state_dict"]
+    assert all("lora_" in key for key in saved["state_dict"]), sorted(saved["state_dict"])[:5]
+    with_base = read_lightning_checkpoint(str(tmp_path / "with-base.ckpt"), optimizer=False)["state_dict"]
+    assert len(with_base) > len(saved["state_dict"])
+    for key, value in saved["state_dict"].items():  # the same trained adapters in both saves
+        assert torch.equal(value, with_base[key]), key
+    difference = float(lines[-1].rsplit(" by ", 1)[1])
+    assert difference < 1e-5, lines[-1]

@@ -17,7 +17,9 @@ import pytest
 import torch
 from _dist import run_distributed
 from contract_cases import (
-    backbone_finetuning,
+    Backbone,
+    finetuning_reference,
+    finetuning_run,
     optimizer_views,
     adapter_run,
     ema_run,
@@ -181,12 +183,17 @@ def test_optimizer_param_groups_show_the_module_parameters_and_clip_by_value_as_
     assert_close_dicts(zero["weights"], ddp["weights"], "weights clipped by value")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("filter_trainable", [True, False])
-def test_backbone_finetuning_is_refused_with_the_way_out(tmp_path: Any, filter_trainable: bool) -> None:
-    """Unfreezing during fit (add_param_group, or requires_grad turned on for a parameter an optimizer
-    holds) is not supported yet: every rank stops with an error that says so, instead of a KeyError
-    (add_param_group) or a backbone that silently never trains (requires_grad)."""
-    errors = _on_ranks(backbone_finetuning, str(tmp_path), filter_trainable)
-    expected = "add_param_group during training" if filter_trainable else "requires_grad of"
-    for error in errors:
-        assert expected in error and "lr=0" in error, error
+def test_base_finetuning_unfreezes_the_backbone_as_plain_pytorch(tmp_path: Any, filter_trainable: bool,
+                                                                 stage: int) -> None:
+    """Lightning's BaseFinetuning (callbacks/test_finetuning_callback.py): unfreezing during fit, by
+    add_param_group or by requires_grad alone, trains the backbone from then on as one PyTorch process does
+    (the engine rebuilds its buckets: [Note: rebuilding]); before, BaseFinetuning failed with a KeyError
+    and a backbone unfrozen in place silently never trained."""
+    expected = finetuning_reference(WORLD, filter_trainable)
+    results = _on_ranks(finetuning_run, str(tmp_path), filter_trainable, stage)
+    for result in results:
+        assert_close_dicts(result, expected, "weights after unfreezing at epoch 1")
+    initial = Backbone(filter_trainable).state_dict()
+    assert not torch.allclose(results[0]["net.embed.weight"], initial["net.embed.weight"])  # it trained

@@ -242,13 +242,17 @@ def missing_weights(expected: set[str], saved: set[str], url: str, strict: bool,
         return lacking & may_lack
     reported = sorted(lacking - may_lack)
     if reported:
-        rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint {url!r}: {reported}"
-                       " (they keep the module's values: strict_loading is False)")
+        rank_zero_warn(f"Found {len(reported)} keys that are in the model state dict but not in the checkpoint"
+                       f" {url!r}: {_some(reported)} (they keep the module's values: strict_loading is False)")
     excess = sorted(saved - expected)
     if excess:
-        rank_zero_warn(f"Found keys that are not in the model state dict but in the checkpoint {url!r}: {excess}"
-                       " (ignored: strict_loading is False)")
+        rank_zero_warn(f"Found {len(excess)} keys that are not in the model state dict but in the checkpoint"
+                       f" {url!r}: {_some(excess)} (ignored: strict_loading is False)")
     return lacking
+
+
+def _some(keys: list[str], shown: int = 10) -> str:
+    return f"{keys[:shown]}{' ...' if len(keys) > shown else ''}"
 
 
 def keep_own_values(module: nn.Module, state_dict: dict[str, Any], url: str, strict: bool,
