@@ -21,13 +21,14 @@ the micro-batch that ends the window. Either way the result equals one big batch
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
@@ -209,6 +210,28 @@ class ZeroEngine:
             zero_opt.groups_changed = self.rebuild
         self._guarded = _guard_parameter_reads(self._module, self.sharded_params, self.gatherer) \
             if config.overlap_param_gather else []
+
+    @torch.no_grad()
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """(collective over the shard group) Each parameter's gradient norm, as one process would compute
+        it from the whole averaged gradient, for the parameters some rank produced a gradient for.
+
+        Neither stage keeps whole gradients in ``param.grad`` (stage 2 frees them bucket by bucket, stage
+        1 moves them into the reduction buffers): the norm comes from every rank's shard, one small
+        all-reduce. Read after backward and before the step (Lightning's ``on_before_optimizer_step``)."""
+        self.gatherer.finish()
+        self.reducer.resolve_presence()
+        present = [sp for sp in self.sharded_params.values() if sp.has_grad]
+        if not present:
+            return {}
+        if norm_type == math.inf:
+            local = torch.stack([sp.grad_shard.abs().max() if sp.shard_numel else sp.grad_shard.new_zeros(())
+                                 for sp in present]).float()
+            norms = comm.all_reduce_(local, self.shard_group, dist.ReduceOp.MAX)
+        else:
+            local = torch.stack([sp.grad_shard.float().abs().pow(norm_type).sum() for sp in present])
+            norms = comm.all_reduce_(local, self.shard_group).pow(1.0 / norm_type)
+        return {sp.fqn: norm for sp, norm in zip(present, norms.unbind(0), strict=True)}
 
     def trainable_changed(self) -> bool:
         """Whether a parameter an optimizer holds was frozen or unfrozen since the buckets were built."""

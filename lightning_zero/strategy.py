@@ -19,11 +19,9 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,6 +30,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero._compat import MockOptimizer as _MockOptimizer
+from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
+from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
@@ -268,6 +269,23 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # All ranks must skip an overflowing step together: the found-inf flag is all-reduced.
             plugin.scaler = self.engine.grad_scaler(init_scale=plugin.scaler.get_scale())
+
+    def grad_norm(self, norm_type: float | str = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` for the module this strategy
+        trains: each parameter's gradient norm and their total, under the same keys, for logging from
+        ``on_before_optimizer_step``. (collective: call it on every rank.)
+
+        Lightning's own ``grad_norm`` reads ``param.grad``, which ZeRO does not keep (stage 2 holds this
+        rank's shard of each gradient, stage 1 moves the gradients into its reduction buffers): it returns
+        an empty dict here. This computes the norms from every rank's shard."""
+        norm = float(norm_type)
+        if norm <= 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        per_param = self.engine.grad_norms(norm)
+        norms = {f"grad_{norm}_norm{group_separator}{name}": value for name, value in per_param.items()}
+        if norms:
+            norms[f"grad_{norm}_norm_total"] = torch.stack(list(per_param.values())).norm(norm)
+        return norms
 
     def _adopt_module_writes(self, compare_values: bool = True) -> None:
         """Weights written into the module reach the masters ([Note: the module is the truth] in

@@ -369,3 +369,28 @@ def finetuning_reference(world_size: int, filter_trainable: bool) -> dict[str, t
             (loss / world_size).backward()
             optimizer.step()
     return _weights(module)
+
+
+class GradNorms(Callback):
+    """Lightning's documented gradient-norm logging in ``on_before_optimizer_step``: its ``grad_norm``
+    under ddp, the strategy's under ZeRO (Lightning's reads ``param.grad``, which ZeRO does not keep)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+        self.lightning: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        self.lightning.append(grad_norm(pl_module, norm_type=2))
+        ours = getattr(trainer.strategy, "grad_norm", None)
+        self.steps.append(ours(2) if ours is not None else self.lightning[-1])
+
+
+def gradient_norms(rank: int, world_size: int, root: str, strategy: str, stage: int) -> dict[str, Any]:
+    as_torchrun(rank, world_size)
+    probe = GradNorms()
+    trainer = make_trainer(world_size, strategy, root, max_steps=3, callbacks=[probe], stage=stage)
+    trainer.fit(EvalNet(), loader(3, 1, world_size))
+    return {"norms": [{k: float(v) for k, v in step.items()} for step in probe.steps],
+            "lightning": [{k: float(v) for k, v in step.items()} for step in probe.lightning]}

@@ -25,6 +25,7 @@ from contract_cases import (
     ema_run,
     new_head_resume,
     fit_from_a_save_outside_fit,
+    gradient_norms,
     no_optimizer_fit,
     repeated_fits_groups,
     swa_run,
@@ -197,3 +198,18 @@ def test_base_finetuning_unfreezes_the_backbone_as_plain_pytorch(tmp_path: Any, 
         assert_close_dicts(result, expected, "weights after unfreezing at epoch 1")
     initial = Backbone(filter_trainable).state_dict()
     assert not torch.allclose(results[0]["net.embed.weight"], initial["net.embed.weight"])  # it trained
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_norms_for_logging_equal_ddp_s(tmp_path: Any, stage: int) -> None:
+    """Lightning's grad_norm in on_before_optimizer_step (trainer/test_trainer.py, the docs' recipe) logs
+    nothing under ZeRO; ZeroLowLevelStrategy.grad_norm gives ddp's figures under the same keys."""
+    ddp = _on_ranks(gradient_norms, str(tmp_path), "ddp", stage)
+    zero = _on_ranks(gradient_norms, str(tmp_path), "zero", stage)
+    for rank in range(WORLD):
+        assert zero[rank]["lightning"] == [{}, {}, {}]  # what users got: no parameter has .grad
+        assert len(zero[rank]["norms"]) == len(ddp[rank]["norms"]) == 3
+        for ours, theirs in zip(zero[rank]["norms"], ddp[rank]["norms"], strict=True):
+            assert ours.keys() == theirs.keys() and len(ours) > 2
+            for key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
