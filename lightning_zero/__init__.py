@@ -1,5 +1,6 @@
 """ZeRO stage 1/2 with evenly sharded optimizer state, and async sharded checkpoints, for Lightning."""
 
+from lightning_zero import _compat  # noqa: F401, I001  (first: refuses a torch or Lightning this package cannot use)
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero._lightning_fixes import install_checkpoint_reader

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero import _compat
 from lightning_zero.sharding import EvenShard
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -57,7 +58,7 @@ def all_gather_in_pieces(output_rows: Tensor, input: Tensor, group: dist.Process
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: its accelerator (the current one)
     if it serves one, else the CPU. For fallbacks only; tensors normally follow the parameters."""
-    types = [t for t in dist.distributed_c10d._device_capability(group) if t != "cpu"]
+    types = [t for t in _compat.device_types(group) if t != "cpu"]
     if not types:
         return torch.device("cpu")
     module = getattr(torch, types[0], None)
@@ -86,7 +87,7 @@ def process_group_timeout() -> timedelta:
     if dist.is_initialized():
         for device in ("cpu", "cuda"):
             try:
-                return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+                return _compat.process_group_timeout(device)
             except Exception:  # no backend for this device type (NCCL has no CPU one); try the next
                 continue
     return timedelta(minutes=30)

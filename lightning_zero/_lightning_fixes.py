@@ -148,9 +148,11 @@ def install_checkpoint_reader() -> None:
     Lightning's own loader unchanged. Idempotent."""
     from lightning.pytorch.core import saving
 
-    if getattr(saving.pl_load, "_lightning_zero", False):
+    from lightning_zero import _compat
+
+    original = _compat.lightning_loader()
+    if getattr(original, "_lightning_zero", False):
         return
-    original = saving.pl_load
 
     # Only the arguments the caller gave are passed on: Lightning's own defaults apply to the rest.
     # Its `weights_only` default differs by version (False before 2.6, None meaning torch's default

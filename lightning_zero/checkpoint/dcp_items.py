@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint.tree import FlatShard
 
 
@@ -135,7 +136,7 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
     cached under it ([Note: cached save plans]; the same key on every rank, see :func:`plan_cache_key`)."""
 
     def __init__(self, spread_replicas: bool = False, cache_key: str | None = None) -> None:
-        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=cache_key is not None)
+        super().__init__(dedup_save_to_lowest_rank=True, **_compat.save_planner_kwargs(cache_key is not None))
         if cache_key is not None:
             self._cached_plans_key = cache_key  # DCP's caches are class attributes under this name
         self.spread_replicas = spread_replicas
@@ -203,10 +204,7 @@ def plan_cache_key(team: tuple[int, ...], spread_replicas: bool, signatures: Seq
 
 def _dcp_plan_caches() -> tuple[dict[str, Any], ...]:
     """DCP's class-level save-plan caches: local, all local, global and final plans, metadata."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    return (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
-            SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan)
+    return _compat.save_planner_caches()
 
 
 def forget_plans(key: str) -> None:
@@ -250,7 +248,7 @@ def chunk_bytes(item: Any) -> int:
     tensor's size, not the chunk's, so DCP's own balancing weighs every shard of a tensor alike.)"""
     if item.tensor_data is None:
         return 0
-    return math.prod(item.tensor_data.chunk.sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return math.prod(item.tensor_data.chunk.sizes) * _compat.element_size(item.tensor_data.properties.dtype)
 
 
 def spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint import storage
 from lightning_zero.checkpoint.dcp_items import gc_paused
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
@@ -285,7 +286,7 @@ class _ChecksummingFileSystem:
                 try:
                     # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
                     yield _ChecksummingStream(stream, segments, self.errors,
-                                              own_crc=not torch.serialization.get_crc32_options())
+                                              own_crc=not _compat.crc32_in_torch_save())
                 except BaseException:  # the file is lost, whatever failed (a write, the fsync, an item, another
                     storage.abort_upload(stream)  # file: SaveAbandoned): its close must not complete an upload
                     raise
@@ -457,12 +458,12 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
 
         def metadata_bytes(self, rank: int | None = None) -> bytes:
             """The raw bytes of ``.metadata`` (DCP's per-rank one for ``rank``), read from storage."""
-            with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
+            with self.fs.create_stream(_compat.dcp_metadata_path(self, rank), "rb") as stream:
                 return stream.read()
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             rank = kwargs.get("rank")
-            path = self._get_metadata_path(rank)
+            path = _compat.dcp_metadata_path(self, rank)
             # Read once per reader: the load checks it (save id, keys) before DCP asks for it again,
             # and at 1024 ranks it is ~110 MB (bench/scale.py).
             metadata = self._metadata_read.get(str(path))

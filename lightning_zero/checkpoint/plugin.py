@@ -8,6 +8,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.saver import Mode
@@ -68,7 +69,7 @@ class ZeroCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """A single-file checkpoint (``full`` mode, or any ordinary one). Sharded checkpoints are loaded
         by ZeroLowLevelStrategy itself (``trainer.fit(ckpt_path=...)``) or ``checkpoint.load``."""
-        return self._plain.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return _compat.plain_checkpoint_load(self._plain, path, map_location, weights_only)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero import _compat
 from lightning_zero._collectives import group_device, new_group, process_group_timeout
 from lightning_zero.checkpoint import dcp_items, integrity, storage
 from lightning_zero.checkpoint.dcp_items import (
@@ -679,8 +680,8 @@ def _write_sharded(state: Any, loc: Location, version_dir: str, team: _Team, sav
     every tensor (flat shards hide it from DCP's metadata). ``signatures``: every rank's
     :func:`_tree_signature`, the same list on every rank."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+    FsspecWriter, _ = _compat.fsspec_storage_classes()
     tensors, objects = _split_for_dcp(state)
     if loc.is_local:
         writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
@@ -1294,7 +1295,8 @@ def read_full(checkpoint_id: str, storage_options: dict[str, Any] | None = None)
 
 def _dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False) -> Any:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    _, FsspecReader = _compat.fsspec_storage_classes()
 
     def require() -> bool:
         return require_checksums

@@ -1,0 +1,169 @@
+"""Every private (or recently added) torch and Lightning API this package depends on, in one place.
+
+Each is behind a small function or name here, whose docstring names the API and the versions that
+have it, and each has one test in ``tests/test_compat.py``: a torch or Lightning upgrade that moves
+one fails the test named for it, not a checkpoint at run time. Importing this module (the package
+does, first) refuses versions that cannot work, naming the installed version and the minimum.
+
+Versions were read from each release's sources (torch 2.4 to 2.15, Lightning 2.4 to 2.6) and the
+supported range is measured by ``make test-matrix`` (``COMPATIBILITY.md``). Lower bounds:
+
+- torch 2.9: ``sharded`` saves need :func:`save_planner_caches` (``_cached_metadata``, 2.8) and
+  ``enable_plan_caching`` (2.7); loads need :func:`dcp_metadata_path` (2.9); S3 needs the fsspec
+  storage options (2.7); :func:`crc32_in_torch_save` and :func:`device_types` need 2.6.
+- Lightning 2.5: Lightning 2.4's CLI cannot merge the demo's ``subclass_mode_model`` hyper-parameters.
+
+Internals used in place, stable for many releases and tested here all the same: ``Tensor._version``
+(buckets.py, engine.py: a parameter replaced in place), ``Module._parameters`` (engine.py),
+``torch.autograd.Variable._execution_engine.queue_callback`` (buckets.py: the end of backward),
+``torch._foreach_mul_`` / ``_foreach_clamp_min_`` / ``_foreach_clamp_max_`` (optimizer.py: clipping),
+and the ``ModelCheckpoint`` methods ``_lightning_fixes.py`` replaces by name
+(``_find_last_checkpoints``, ``_link_checkpoint``, ``setup``) and its ``_fs`` (strategy.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from datetime import timedelta
+from typing import Any
+
+import lightning
+import torch
+
+MIN_TORCH = "2.9"
+MIN_LIGHTNING = "2.5"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"not a version number: {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def require_supported_versions(torch_version: str | None = None, lightning_version: str | None = None) -> None:
+    """Raise ImportError when the installed torch or Lightning is older than this package supports."""
+    torch_version = torch.__version__ if torch_version is None else torch_version
+    lightning_version = lightning.__version__ if lightning_version is None else lightning_version
+    if _release(torch_version) < _release(MIN_TORCH):
+        raise ImportError(
+            f"lightning_zero needs torch >= {MIN_TORCH}; torch {torch_version} is installed. Its"
+            " torch.distributed.checkpoint lacks what sharded checkpoints use (plan caching, per-rank"
+            f" metadata paths, fsspec storage options). Upgrade with: pip install 'torch>={MIN_TORCH}'"
+        )
+    if _release(lightning_version) < _release(MIN_LIGHTNING):
+        raise ImportError(
+            f"lightning_zero needs lightning >= {MIN_LIGHTNING}; lightning {lightning_version} is installed."
+            f" Upgrade with: pip install 'lightning>={MIN_LIGHTNING}'"
+        )
+
+
+require_supported_versions()
+
+# Lightning: private names imported by the strategy (all of Lightning 2.0 to 2.6).
+from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry  # noqa: E402
+from lightning.pytorch.core.optimizer import _MockOptimizer as MockOptimizer  # noqa: E402
+from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states  # noqa: E402
+
+__all__ = [
+    "MIN_LIGHTNING", "MIN_TORCH", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save", "dcp_metadata_path",
+    "device_types", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
+    "process_group_timeout", "require_supported_versions", "save_planner_caches", "save_planner_kwargs",
+    "sync_module_states",
+]
+
+
+# torch ------------------------------------------------------------------------------------------
+
+def fsspec_storage_classes() -> tuple[type, type]:
+    """DCP's ``(FsspecWriter, FsspecReader)``: ``torch.distributed.checkpoint.fsspec_filesystem`` where
+    torch has it (the public module; torch 2.15 makes ``_fsspec_filesystem`` a deprecated alias of it),
+    else the private ``torch.distributed.checkpoint._fsspec_filesystem`` (torch 2.9 to 2.14). Both take
+    fsspec storage options as keyword arguments from torch 2.7."""
+    try:
+        from torch.distributed.checkpoint import fsspec_filesystem as module  # type: ignore[attr-defined]
+    except ImportError:
+        from torch.distributed.checkpoint import _fsspec_filesystem as module
+    return module.FsspecWriter, module.FsspecReader
+
+
+def save_planner_kwargs(plan_caching: bool) -> dict[str, Any]:
+    """Keyword arguments of ``DefaultSavePlanner`` for DCP's cached save plans:
+    ``enable_plan_caching`` (torch 2.7 and later). The cache is keyed by the planner attribute
+    ``_cached_plans_key`` (same versions)."""
+    return {"enable_plan_caching": plan_caching}
+
+
+def save_planner_caches() -> tuple[dict[str, Any], ...]:
+    """DCP's class-level save-plan caches, under ``_cached_plans_key``: ``SavePlanner._cached_save_plan``,
+    ``_cached_all_plans``, ``_cached_global_plan``, ``_cached_metadata`` (torch 2.8 and later; the others
+    2.7) and ``_cached_final_save_plan``."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    return (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+            SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan)
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """``FileSystemReader._get_metadata_path(rank)``: the path of ``.metadata`` (``rank`` None) or of a
+    rank's own metadata file (torch 2.9 and later). Readers here also override the private
+    ``FileSystemReader._slice_file(file, sinfo)`` (the view of one item's bytes) and
+    ``DefaultSavePlanner._dedup_save_plans(all_plans)`` (called by ``create_global_plan`` from torch 2.8)."""
+    return reader._get_metadata_path(rank)
+
+
+def crc32_in_torch_save() -> bool:
+    """``torch.serialization.get_crc32_options()``: whether ``torch.save`` writes a CRC32 per record
+    (torch 2.6 and later)."""
+    return bool(torch.serialization.get_crc32_options())
+
+
+def device_types(group: Any) -> list[str]:
+    """``torch.distributed.distributed_c10d._device_capability(group)``: the device types the group's
+    backends serve, e.g. ``["cpu"]`` for gloo (torch 2.6 and later)."""
+    import torch.distributed as dist
+
+    return list(dist.distributed_c10d._device_capability(group))
+
+
+def process_group_timeout(device: str) -> timedelta:
+    """The default group's timeout for its ``device`` backend: ``ProcessGroup._get_backend(device)
+    .options._timeout`` (torch 2.2 and later). Raises when the group has no backend for ``device``."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``: ``torch._utils._element_size`` (every torch 2.x)."""
+    return int(torch._utils._element_size(dtype))
+
+
+# Lightning --------------------------------------------------------------------------------------
+
+def lightning_loader() -> Any:
+    """``lightning.pytorch.core.saving.pl_load``: the module attribute ``load_from_checkpoint`` opens
+    files with (Lightning's ``cloud_io._load``; every Lightning 2.x). Its ``weights_only`` default is
+    ``False`` before Lightning 2.6 and ``None`` (torch's default) from 2.6."""
+    from lightning.pytorch.core import saving
+
+    return saving.pl_load
+
+
+def _takes_weights_only(function: Any) -> bool:
+    return "weights_only" in inspect.signature(function).parameters
+
+
+def plain_checkpoint_load(io: Any, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    """``TorchCheckpointIO.load_checkpoint``: its ``weights_only`` argument exists from Lightning 2.6,
+    which passes it; Lightning 2.5 neither has nor passes it. ``None`` leaves it to the loader's default."""
+    if weights_only is None:
+        return io.load_checkpoint(path, map_location=map_location)
+    if not _takes_weights_only(io.load_checkpoint):
+        raise TypeError(
+            f"weights_only={weights_only} needs lightning >= 2.6 (TorchCheckpointIO.load_checkpoint takes it from"
+            f" 2.6); lightning {lightning.__version__} is installed. Upgrade with: pip install 'lightning>=2.6'"
+        )
+    return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)

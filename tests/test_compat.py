@@ -1,0 +1,231 @@
+"""One test per private torch/Lightning API in ``lightning_zero/_compat.py``: an upgrade that moves one
+fails the test named for it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_zero import _compat
+
+# -- versions -----------------------------------------------------------------------------------
+
+
+def test_older_torch_is_refused_at_import_naming_both_versions() -> None:
+    with pytest.raises(ImportError, match=r"torch >= 2\.9; torch 2\.8\.0\+cu128 is installed.*pip install 'torch>=2\.9'"):
+        _compat.require_supported_versions(torch_version="2.8.0+cu128", lightning_version=lightning.__version__)
+
+
+def test_older_lightning_is_refused_at_import_naming_both_versions() -> None:
+    with pytest.raises(ImportError, match=r"lightning >= 2\.5; lightning 2\.4\.0 is installed"):
+        _compat.require_supported_versions(torch_version=torch.__version__, lightning_version="2.4.0")
+
+
+def test_supported_versions_import() -> None:
+    _compat.require_supported_versions()
+    _compat.require_supported_versions(torch_version="2.9.0", lightning_version="2.5.0.post0")
+    _compat.require_supported_versions(torch_version="2.15.0a0+git1234", lightning_version="2.6.6")
+
+
+# -- torch --------------------------------------------------------------------------------------
+
+
+def test_fsspec_writer_and_reader_take_storage_options(tmp_path: Path) -> None:
+    writer_class, reader_class = _compat.fsspec_storage_classes()
+    url = f"file://{tmp_path}"
+    # auto_mkdir is an option of fsspec's local filesystem: it reaches the filesystem DCP builds.
+    writer = writer_class(url, sync_files=False, auto_mkdir=True, skip_instance_cache=True)
+    reader = reader_class(url, auto_mkdir=True, skip_instance_cache=True)
+    assert writer.fs.fs.auto_mkdir is True and reader.fs.fs.auto_mkdir is True
+
+
+def test_save_planner_takes_plan_caching() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(**_compat.save_planner_kwargs(True))
+    assert planner._cached_plans_key == "DefaultSavePlanner"  # the key lightning_zero sets per team
+
+
+def test_save_planner_caches_are_five_dicts_dcp_fills() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Planner(DefaultSavePlanner):
+        pass
+
+    planner = Planner(**_compat.save_planner_kwargs(True))
+    planner._cached_plans_key = key = "test_compat_key"
+    planner.set_up_planner({"weight": torch.zeros(3)}, is_coordinator=True)
+    try:
+        planner.create_global_plan([planner.create_local_plan()])
+        caches = _compat.save_planner_caches()
+        assert len(caches) == 5 and all(isinstance(cache, dict) for cache in caches)
+        assert key in caches[1] and key in caches[3]  # all local plans, metadata
+    finally:
+        for cache in _compat.save_planner_caches():
+            cache.pop(key, None)
+
+
+def test_save_planner_dedup_hook_is_called_by_create_global_plan() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    called: list[int] = []
+
+    class Planner(DefaultSavePlanner):
+        def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
+            called.append(len(all_plans))
+            return super()._dedup_save_plans(all_plans)
+
+    planner = Planner(dedup_save_to_lowest_rank=True)
+    planner.set_up_planner({"weight": torch.zeros(3)}, is_coordinator=True)
+    planner.create_global_plan([planner.create_local_plan()])
+    assert called == [1]
+
+
+def test_dcp_metadata_path_names_the_global_and_a_ranks_file(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(tmp_path))
+    assert Path(_compat.dcp_metadata_path(reader, None)) == tmp_path / ".metadata"
+    per_rank = Path(_compat.dcp_metadata_path(reader, 3))
+    assert per_rank.parent == tmp_path and per_rank.name != ".metadata" and "3" in per_rank.name
+
+
+def test_file_system_reader_slices_items_with_slice_file(tmp_path: Path) -> None:
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Info:
+        offset, length = 2, 3
+
+    view = FileSystemReader(str(tmp_path))._slice_file(io.BytesIO(b"0123456789"), Info())
+    assert view.read() == b"234"
+
+
+def test_crc32_in_torch_save_follows_torch_setting() -> None:
+    before = _compat.crc32_in_torch_save()
+    torch.serialization.set_crc32_options(not before)
+    try:
+        assert _compat.crc32_in_torch_save() is (not before)
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def test_device_types_of_a_gloo_group(single_rank_group: None) -> None:
+    types = _compat.device_types(dist.group.WORLD)
+    assert "cpu" in types and all(isinstance(t, str) for t in types)  # gloo also registers for cuda
+
+
+def test_process_group_timeout_of_the_cpu_backend() -> None:
+    from tests._dist import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=123))
+    try:
+        assert _compat.process_group_timeout("cpu") == timedelta(seconds=123)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_element_size_of_dtypes() -> None:
+    assert [_compat.element_size(d) for d in (torch.bfloat16, torch.float32, torch.int64, torch.bool)] == [2, 4, 8, 1]
+
+
+def test_tensor_version_counter_counts_in_place_writes() -> None:
+    tensor = torch.zeros(2)
+    before = tensor._version
+    tensor.add_(1)
+    assert tensor._version == before + 1
+
+
+def test_module_parameters_dict_holds_the_registered_parameters() -> None:
+    layer = torch.nn.Linear(2, 2)
+    assert dict(layer._parameters) == dict(layer.named_parameters(recurse=False))
+
+
+def test_autograd_engine_runs_a_queued_callback_at_the_end_of_backward() -> None:
+    ran: list[bool] = []
+    weight = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: ran.append(True))
+        return grad
+
+    weight.register_hook(hook)
+    (weight * 2).sum().backward()
+    assert ran == [True]
+
+
+def test_foreach_clipping_kernels() -> None:
+    grads = [torch.tensor([1.0, -4.0]), torch.tensor([3.0])]
+    torch._foreach_mul_(grads, torch.tensor(2.0))
+    torch._foreach_clamp_min_(grads, -5.0)
+    torch._foreach_clamp_max_(grads, 5.0)
+    assert [g.tolist() for g in grads] == [[2.0, -5.0], [5.0]]
+
+
+# -- Lightning ----------------------------------------------------------------------------------
+
+
+def test_strategy_registry_registers_a_strategy() -> None:
+    registry = _compat.StrategyRegistry()
+    registry.register("compat_test", lambda: None, description="a test")
+    assert "compat_test" in registry
+
+
+def test_mock_optimizer_is_the_optimizer_lightning_stands_in_for_none() -> None:
+    optimizer = _compat.MockOptimizer()
+    assert isinstance(optimizer, torch.optim.Optimizer) and optimizer.state_dict() == {}
+    assert optimizer.step() is None
+
+
+def test_sync_module_states_broadcasts_rank_zeros_values(single_rank_group: None) -> None:
+    layer = torch.nn.Linear(2, 2)
+    before = [p.clone() for p in layer.parameters()]
+    _compat.sync_module_states(layer)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+
+
+def test_lightning_loader_is_what_load_from_checkpoint_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.core import saving
+
+    calls: list[str] = []
+    monkeypatch.setattr(saving, "pl_load", lambda path, **kwargs: calls.append(str(path)) or {"state_dict": {}})
+    assert _compat.lightning_loader() is saving.pl_load
+    with pytest.raises(Exception):  # noqa: B017 - the loader ran; what a checkpoint without fields does next is Lightning's
+        lightning.LightningModule.load_from_checkpoint(tmp_path / "x.ckpt")
+    assert calls == [str(tmp_path / "x.ckpt")]
+
+
+def test_plain_checkpoint_load_passes_weights_only_where_lightning_takes_it(tmp_path: Path) -> None:
+    path = tmp_path / "plain.ckpt"
+    torch.save({"value": 1}, path)
+    io = TorchCheckpointIO()
+    assert _compat.plain_checkpoint_load(io, path) == {"value": 1}
+    if "weights_only" in __import__("inspect").signature(io.load_checkpoint).parameters:
+        assert _compat.plain_checkpoint_load(io, path, weights_only=True) == {"value": 1}
+    else:
+        with pytest.raises(TypeError, match=r"weights_only=True needs lightning >= 2\.6"):
+            _compat.plain_checkpoint_load(io, path, weights_only=True)
+
+
+def test_model_checkpoint_methods_replaced_by_name_exist() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath="memory://compat")
+    assert callable(callback._find_last_checkpoints) and callable(callback._link_checkpoint)
+    assert callback._fs.protocol in ("memory", ("memory",))
+
+
+def test_lightning_optimizer_wraps_its_optimizer_as_underscore_optimizer() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert LightningOptimizer(optimizer)._optimizer is optimizer
