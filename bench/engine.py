@@ -13,17 +13,23 @@ baselines are the plain PyTorch wrappers behind Lightning's ``ddp`` and
 ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")``, so the numbers measure the engines and not
 Lightning's training loop.
 
-[Note: interleaving] All five methods live in the same processes and take turns step by step
-(a "round" is one step of each, in an order rotated every round). A load spike from another
-process on a shared 2-core machine then lands on all methods alike, and the step-time ratios
-are taken within a round before the median, which is far steadier than timing each method in
-its own block of steps.
+[Note: interleaving] All methods live in the same processes and take turns (a "round" is
+one turn of each, in an order rotated every round). A load spike from another process on a shared
+2-core machine then lands on all methods alike, and the step-time ratios are taken within a round
+before the median, which is far steadier than timing each method in its own long block of steps.
+
+[Note: honest turns] A turn is a few consecutive steps of one method, timed as one block, and it
+ends with the work those steps left running: our engine's overlapped parameter gathers run on a
+thread into the next forward, so a turn of one step would either bill them to the next method (they
+run while it is timed) or never overlap them. Within a turn each gather overlaps the next step's
+forward, as in training; the last one is finished (``Method.finish``) inside the timed block. A
+method that still has background work after its turn is counted, and the report fails it.
 
 Usage::
 
     .venv/bin/python bench/engine.py                      # world sizes 2 and 4 (make bench)
     .venv/bin/python bench/engine.py --quick              # small model, few rounds: a smoke run
-    .venv/bin/python bench/engine.py --world-sizes 2 --rounds 60
+    .venv/bin/python bench/engine.py --world-sizes 2 --rounds 20 --methods ddp zero2
 
 The markdown report goes to stdout and to ``bench/out/engine.md``.
 """
@@ -69,11 +75,14 @@ HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
 """ZeRO-2 sharded within groups of 2 ranks, replicated across them (``shard_group_size=2``)."""
 
 
-def methods_for(world_size: int) -> tuple[str, ...]:
-    """The hybrid row only where it differs from flat zero2: 2+ shard groups of 2 (world size 4: 2 x 2)."""
+def methods_for(world_size: int, selected: Sequence[str] = ()) -> tuple[str, ...]:
+    """The hybrid row only where it differs from flat zero2: 2+ shard groups of 2 (world size 4: 2 x 2).
+    ``selected``: only these (all when empty)."""
     hybrid = world_size > HYBRID_SHARD_GROUP_SIZE and world_size % HYBRID_SHARD_GROUP_SIZE == 0
-    return METHODS + ((HYBRID,) if hybrid else ())
-PHASES = ("forward", "backward", "step", "zero_grad")
+    names = METHODS + ((HYBRID,) if hybrid else ())
+    return tuple(n for n in names if not selected or n in selected)
+PHASES = ("forward", "backward", "step", "zero_grad", "drain")
+"""Per step; *drain*: finishing, at the end of a turn, what the turn's steps left running."""
 MIB = 1024 * 1024
 
 # The targets. Every check below uses these names, so the printed report and the code agree.
@@ -81,6 +90,8 @@ STATE_VS_EVEN_SHARE_TOLERANCE = 0.01
 MAX_BALANCE = 1.001
 MAX_ZERO2_VS_DDP = 1.04
 MAX_STEP_PEAK_VS_PARAMS = 0.3
+MAX_RESIDENT_VS_FORMULA = 1.1
+"""zero1/zero2: resident per rank between steps over the ZeRO paper's model-state formula."""
 """The optimizer step's peak RSS above its start, as a fraction of the parameters' bytes."""
 
 
@@ -157,9 +168,13 @@ class BenchSettings:
     """Sequences per rank per step."""
     warmup_rounds: int
     timed_rounds: int
-    """Rounds of one step per method; see [Note: interleaving]."""
+    """Rounds of one turn per method; see [Note: interleaving]."""
+    steps_per_turn: int
+    """Consecutive steps of one method, timed as one block with what they leave running ([Note: honest turns])."""
     bucket_size_mb: float
     """Our engine's bucket capacity (25: its floor, DDP's default)."""
+    methods: tuple[str, ...] = ()
+    """The methods to run (DDP always among them); empty: all."""
     lr: float = 1e-3
     weight_decay: float = 0.1
     seed: int = 1234
@@ -167,11 +182,11 @@ class BenchSettings:
 
 FULL = BenchSettings(
     model=GPTConfig(vocab_size=8192, seq_len=64, d_model=384, n_layers=4, n_heads=6),
-    batch_size=2, warmup_rounds=3, timed_rounds=40, bucket_size_mb=25.0,
+    batch_size=2, warmup_rounds=1, timed_rounds=12, steps_per_turn=3, bucket_size_mb=25.0,
 )
 QUICK = BenchSettings(
     model=GPTConfig(vocab_size=2048, seq_len=32, d_model=128, n_layers=2, n_heads=4),
-    batch_size=2, warmup_rounds=2, timed_rounds=6, bucket_size_mb=25.0,
+    batch_size=2, warmup_rounds=1, timed_rounds=4, steps_per_turn=2, bucket_size_mb=25.0,
 )
 
 
@@ -207,7 +222,12 @@ class Method:
         """Called right after ``backward`` (our engine's reductions are waited for here)."""
 
     def finish(self) -> None:
-        """Outside the timed loop: complete work a step left running (our overlapped gathers)."""
+        """Complete work the steps left running (our overlapped gathers): at the end of each timed
+        turn ([Note: honest turns]) and before memory is measured."""
+
+    def background_work(self) -> bool:
+        """Whether work this method started is still running (its turn must not end so)."""
+        return False
 
     def gather_peak(self) -> int:
         """Peak RSS growth of the step's parameter all-gathers alone (0 where there are none)."""
@@ -243,6 +263,11 @@ class ZeroMethod(Method):
 
     def finish(self) -> None:
         self.engine.finish_param_gather()
+
+    def background_work(self) -> bool:
+        gatherer = self.engine.gatherer
+        thread = gatherer._thread  # the CPU gather program ([Note: gather overlap] in buckets.py)
+        return gatherer.pending or (thread is not None and thread.is_alive())
 
     def gather_peak(self) -> int:
         # The same bucketed, bounded gathers the step runs, on their own: the step's peak also
@@ -345,6 +370,7 @@ class MethodResult:
     phase_peak_bytes: dict[str, list[int]]  # per phase, per rank: peak RSS above the phase's start
     param_bytes: int  # the model's parameters (one copy)
     unsharded_state_bytes: int
+    leftover_turns: int  # turns after which background work still ran (the most on any rank)
     vs_ddp: float = float("nan")  # set once DDP's result is known
 
     @property
@@ -394,7 +420,7 @@ def make_batches(settings: BenchSettings, rank: int, steps: int) -> list[tuple[T
 
 
 def train_step(method: Method, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, list[float]]:
-    """The strategy's loop; returns the loss and the seconds spent in each of PHASES."""
+    """The strategy's loop; returns the loss and the seconds spent in each of PHASES but the drain."""
     marks = [time.perf_counter()]
     loss = method.module(*batch)
     marks.append(time.perf_counter())
@@ -406,6 +432,21 @@ def train_step(method: Method, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, li
     method.optimizer.zero_grad(set_to_none=True)
     marks.append(time.perf_counter())
     return loss.detach(), [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
+
+
+def timed_turn(method: Method, batches: Sequence[tuple[Tensor, Tensor]]) -> tuple[list[float], bool]:
+    """One method's turn ([Note: honest turns]): its steps back to back, then the work they left
+    running, all timed. Returns the seconds per step of each of PHASES (the turn's mean) and
+    whether background work outlived the turn."""
+    totals = [0.0] * len(PHASES)
+    for batch in batches:
+        _, phases = train_step(method, batch)
+        for i, seconds in enumerate(phases):
+            totals[i] += seconds
+    start = time.perf_counter()
+    method.finish()
+    totals[-1] += time.perf_counter() - start
+    return [t / len(batches) for t in totals], method.background_work()
 
 
 def gather_ints(value: int, world_size: int) -> list[int]:
@@ -423,7 +464,7 @@ def slowest_rank_ms(phase_seconds: list[list[float]]) -> Tensor:
 
 
 def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: int, reference: GPT,
-                     timings: Tensor, resident: int) -> MethodResult:
+                     timings: Tensor, resident: int, leftover_turns: int) -> MethodResult:
     """One more, untimed step: what each rank holds after backward and after the step, and the
     measured peak RSS of each phase above the RSS at its start."""
     peaks: dict[str, int] = {}
@@ -462,16 +503,18 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
         phase_peak_bytes={phase: gather_ints(peaks[phase], world_size)
                           for phase in ("forward", "backward", "step", "gather")},
         param_bytes=tensor_bytes(list(reference.parameters())),
+        leftover_turns=max(gather_ints(leftover_turns, world_size)),
     )
 
 
 def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[MethodResult]:
     """Runs on every rank: all methods, interleaved round by round ([Note: interleaving])."""
     rounds = settings.warmup_rounds + settings.timed_rounds
-    batches = make_batches(settings, rank, rounds + 1)
+    turn = settings.steps_per_turn
+    batches = make_batches(settings, rank, rounds * turn + 1)
     methods: dict[str, Method] = {}
     resident: dict[str, int] = {}
-    names = methods_for(world_size)
+    names = methods_for(world_size, settings.methods)
     for name in names:
         # What a method keeps resident: its model, gradients, optimizer state and buffers after
         # one step (the first warm-up step), as RSS growth in a process where the methods built
@@ -485,12 +528,15 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
         release_free_memory()
         resident[name] = rss_bytes() - before
     phase_seconds: dict[str, list[list[float]]] = {name: [] for name in names}
+    leftover_turns = dict.fromkeys(names, 0)
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            # Ranks start each step together, so no rank's leftover work is billed to the next one.
+            # Ranks start each turn together; within it no barrier, whose wait would let background
+            # work run untimed.
             dist.barrier()
-            _, phases = train_step(methods[name], batches[round_index])
+            phases, leftover = timed_turn(methods[name], batches[round_index * turn : (round_index + 1) * turn])
+            leftover_turns[name] += leftover
             if round_index >= settings.warmup_rounds:
                 phase_seconds[name].append(phases)
         if rank == 0 and (round_index + 1) % 10 == 0:
@@ -498,8 +544,8 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     # An unwrapped copy: FSDP's module shows only this rank's shards of the parameters.
     reference = build_model(settings.model, settings.seed)
     return [
-        measure_holdings(methods[name], batches[rounds], world_size, reference, slowest_rank_ms(phase_seconds[name]),
-                         resident[name])
+        measure_holdings(methods[name], batches[rounds * turn], world_size, reference,
+                         slowest_rank_ms(phase_seconds[name]), resident[name], leftover_turns[name])
         for name in names
     ]
 
@@ -605,10 +651,37 @@ class Check:
         return f"- {'PASS' if self.passed else 'FAIL'}: {self.target} ({self.detail})"
 
 
-def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
-    zero_redundancy = by_name["ddp+zero_redundancy"]
+def turn_checks(world: list[MethodResult]) -> list[Check]:
+    """[Note: honest turns]: no method's work runs past its own timed turn."""
+    leftover = [f"{r.method} {r.leftover_turns}" for r in world if r.leftover_turns]
+    return [Check(f"ws={world[0].world_size}: every method's turns ended with all its work done (gathers"
+                  " included), so no step time is billed to another method",
+                  not leftover, "turns with background work left: " + (", ".join(leftover) or "none"))]
+
+
+def zero_names(by_name: dict[str, MethodResult]) -> list[str]:
+    return [name for name in ("zero1", "zero2") if name in by_name]
+
+
+def resident_checks(by_name: dict[str, MethodResult]) -> list[Check]:
     checks = []
-    for name in ("zero1", "zero2"):
+    for name in zero_names(by_name):
+        r = by_name[name]
+        formula = formula_bytes(name, r.param_bytes // 4, r.world_size)
+        ratio = max(r.resident_bytes) / formula
+        ddp = by_name["ddp"]
+        checks.append(Check(
+            f"ws={r.world_size} {name}: resident per rank between steps <= {MAX_RESIDENT_VS_FORMULA}x the ZeRO"
+            " formula", ratio <= MAX_RESIDENT_VS_FORMULA,
+            f"{ratio:.2f}x: {max(r.resident_bytes) / MIB:.1f} MiB for {formula / MIB:.1f} MiB; DDP"
+            f" {max(ddp.resident_bytes) / MIB:.1f} MiB"))
+    return checks
+
+
+def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    zero_redundancy = by_name.get("ddp+zero_redundancy")
+    checks = []
+    for name in zero_names(by_name):
         r = by_name[name]
         worst = max(abs(x - 1) for x in r.state_vs_even_share)
         checks += [
@@ -618,18 +691,20 @@ def memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
                   f"per rank {', '.join(f'{x:.4f}' for x in r.state_vs_even_share)} of total/ws"),
             Check(f"ws={r.world_size} {name}: optimizer-state balance max/mean <= {MAX_BALANCE}",
                   r.state_balance <= MAX_BALANCE,
-                  f"{r.state_balance:.5f}; ZeroRedundancyOptimizer {zero_redundancy.state_balance:.5f}"),
+                  f"{r.state_balance:.5f}" + (f"; ZeroRedundancyOptimizer {zero_redundancy.state_balance:.5f}"
+                                              if zero_redundancy else "")),
             Check(f"ws={r.world_size} {name}: optimizer_shard_numel balance max/mean <= {MAX_BALANCE}",
                   r.numel_balance <= MAX_BALANCE,
-                  f"{r.numel_balance:.5f} over {r.shard_numel}; ZeroRedundancyOptimizer"
-                  f" {zero_redundancy.numel_balance:.5f} over {zero_redundancy.shard_numel}"),
+                  f"{r.numel_balance:.5f} over {r.shard_numel}" + (
+                      f"; ZeroRedundancyOptimizer {zero_redundancy.numel_balance:.5f} over"
+                      f" {zero_redundancy.shard_numel}" if zero_redundancy else "")),
         ]
     return checks
 
 
 def step_memory_checks(by_name: dict[str, MethodResult]) -> list[Check]:
     checks = []
-    for name in ("zero1", "zero2"):
+    for name in zero_names(by_name):
         r = by_name[name]
         ratio = max(r.phase_peak_bytes["gather"]) / r.param_bytes
         checks.append(Check(
@@ -652,13 +727,15 @@ def stage_comparison(by_name: dict[str, MethodResult]) -> str:
 
 
 def speed_checks(by_name: dict[str, MethodResult]) -> list[Check]:
+    if "zero2" not in by_name:
+        return []
     zero2, ddp = by_name["zero2"], by_name["ddp"]
     checks = [Check(
         f"ws={zero2.world_size} zero2 step time <= {MAX_ZERO2_VS_DDP}x DDP on {BACKEND}",
         zero2.vs_ddp <= MAX_ZERO2_VS_DDP,
         f"paired ratio {zero2.vs_ddp:.3f}x; medians {zero2.step_ms:.1f} ms vs {ddp.step_ms:.1f} ms",
     )]
-    for other in (by_name["ddp+zero_redundancy"], by_name["fsdp_shard_grad_op"]):
+    for other in (by_name[n] for n in ("ddp+zero_redundancy", "fsdp_shard_grad_op") if n in by_name):
         ratio = paired_ratio(zero2, other)
         checks.append(Check(
             f"ws={zero2.world_size} zero2 no slower than {other.method}",
@@ -722,16 +799,20 @@ def partition_rule_matches(zero_redundancy: MethodResult, model: GPTConfig) -> b
 def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[str]) -> list[str]:
     m = settings.model
     n_params = sum(p.numel() for p in build_model(m, seed=0).parameters())
+    names = ", ".join(settings.methods) if settings.methods else "all methods"
     return [
         f"Command: `{command}`  ",
         f"Machine: {describe_machine()}.  ",
         f"Model: GPT, {n_params / 1e6:.2f}M parameters (vocab {m.vocab_size}, {m.n_layers} blocks, d_model"
         f" {m.d_model}, {m.n_heads} heads, tied LM head), sequence {m.seq_len}, batch {settings.batch_size}"
         f" per rank, AdamW (lr {settings.lr}, weight decay {settings.weight_decay}), fp32.  ",
-        f"Timing: the five methods take turns step by step in the same processes, {settings.warmup_rounds}"
-        f" warm-up + {settings.timed_rounds} timed rounds (one step of each method per round, order rotated"
-        " every round); every step starts with a barrier and is timed on the slowest rank. *vs DDP* and"
-        " the speed targets use the median over rounds of the within-round ratio. One thread per process."
+        f"Timing ({names}): the methods take turns in the same processes, {settings.warmup_rounds}"
+        f" warm-up + {settings.timed_rounds} timed rounds; a round is one turn of each method, order rotated"
+        f" every round; a turn is {settings.steps_per_turn} consecutive steps timed as one block that ends"
+        " with the work they left running (zero1/zero2: the last step's overlapped parameter gathers,"
+        " the *drain* phase), so no method's work is billed to another. Every turn starts with a barrier"
+        " and is timed on the slowest rank; times are per step (the turn's mean). *vs DDP* and the speed"
+        " targets use the median over rounds of the within-round ratio. One thread per process."
         f" Wall time of the whole run: {elapsed_s:.0f} s. Load average (1, 5, 15 min) before each world"
         f" size and at the end: {' / '.join(loads)}.  ",
         "zero1/zero2 run `ZeroEngine` in a plain loop (forward, backward, `engine.ensure_flushed()`,"
@@ -778,7 +859,8 @@ def report(settings: BenchSettings, results: list[MethodResult], checks: list[Ch
         "",
         "Step-time breakdown (median ms of the slowest rank; *backward* includes the gradient"
         " reductions that do not overlap, *step* the parameter all-gather or broadcast; zero1/zero2"
-        " overlap their gathers with the next *forward*, which waits for what it reads):",
+        " overlap their gathers with the next *forward*, which waits for what it reads; *drain*, per step, is"
+        " the turn's last gathers finished at its end, [Note: honest turns]):",
         "",
         *phase_table(results),
         "",
@@ -790,7 +872,8 @@ def report(settings: BenchSettings, results: list[MethodResult], checks: list[Ch
         "Computed, not measured: balance of optimizer-state elements at 8 ranks, from"
         " ZeroRedundancyOptimizer's partitioning rule (greedy by size into the least-loaded rank, per"
         " param group; reproduced here and checked equal to the measured partition at"
-        f" {', '.join(map(str, world_sizes))} ranks) and from `lightning_zero.sharding.EvenShard`.",
+        f" {', '.join(map(str, world_sizes))} ranks when ddp+zero_redundancy runs) and from"
+        " `lightning_zero.sharding.EvenShard`.",
         "",
         *computed_balance_table(unique_models, world_size=8),
         "",
@@ -805,8 +888,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {FULL.timed_rounds})")
     parser.add_argument("--bucket-size-mb", type=float, default=None,
                         help=f"zero1/zero2 bucket capacity (default {FULL.bucket_size_mb})")
+    parser.add_argument("--steps-per-turn", type=int, default=None,
+                        help=f"consecutive steps of one method per turn (default {FULL.steps_per_turn})")
+    parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID), default=None,
+                        help="run only these (ddp is always added: the ratios are to it)")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
     args = parser.parse_args(argv)
+    if args.methods:
+        args.methods = ["ddp", *(m for m in args.methods if m != "ddp")]
+    if args.steps_per_turn is not None and args.steps_per_turn < 1:
+        parser.error(f"--steps-per-turn must be >= 1, got {args.steps_per_turn}")
     if any(ws < 2 for ws in args.world_sizes):
         parser.error(f"--world-sizes must all be >= 2 (this compares data parallelism), got {args.world_sizes}")
     if args.rounds is not None and args.rounds < 2:
@@ -833,6 +924,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = dataclasses.replace(settings, timed_rounds=args.rounds)
     if args.bucket_size_mb is not None:
         settings = dataclasses.replace(settings, bucket_size_mb=args.bucket_size_mb)
+    if args.steps_per_turn is not None:
+        settings = dataclasses.replace(settings, steps_per_turn=args.steps_per_turn)
+    if args.methods:
+        settings = dataclasses.replace(settings, methods=tuple(args.methods))
     command = " ".join([".venv/bin/python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
     results: list[MethodResult] = []
@@ -841,16 +936,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     loads: list[str] = []
     for ws in args.world_sizes:
         loads.append(load_average())
-        print(f"world size {ws}: {len(methods_for(ws))} methods, {settings.timed_rounds} timed rounds", flush=True)
+        print(f"world size {ws}: {len(methods_for(ws, settings.methods))} methods, {settings.timed_rounds} timed"
+              f" rounds of {settings.steps_per_turn} steps", flush=True)
         world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
         by_name = {r.method: r for r in world}
         for r in world:
             r.vs_ddp = paired_ratio(r, by_name["ddp"])
-        if not partition_rule_matches(by_name["ddp+zero_redundancy"], settings.model):
+        zero_redundancy = by_name.get("ddp+zero_redundancy")
+        if zero_redundancy is not None and not partition_rule_matches(zero_redundancy, settings.model):
             raise AssertionError("the computed ZeroRedundancyOptimizer partition differs from the measured one")
         results += world
-        checks += memory_checks(by_name) + step_memory_checks(by_name) + speed_checks(by_name)
-        infos.append(stage_comparison(by_name))
+        checks += (turn_checks(world) + memory_checks(by_name) + step_memory_checks(by_name)
+                   + resident_checks(by_name) + speed_checks(by_name))
+        if "zero1" in by_name and "zero2" in by_name:
+            infos.append(stage_comparison(by_name))
         if HYBRID in by_name:
             infos.append(hybrid_comparison(by_name))
     loads.append(load_average())

@@ -1,0 +1,66 @@
+"""bench/engine.py bills each method the work it started: a turn ends with our engine's overlapped
+gathers finished ([Note: honest turns] in bench/engine.py), and the report fails a method whose
+background work outlived its turn."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _dist import run_distributed
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench_module() -> Any:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import engine as bench_engine
+
+    return bench_engine
+
+
+def run_turns(rank: int, _world_size: int) -> dict[str, bool]:
+    """A zero2 method of the benchmark: background work after a bare step, and after a timed turn."""
+    bench = _bench_module()
+    settings = bench.QUICK
+    method = bench.build_method("zero2", settings)
+    batches = bench.make_batches(settings, rank, 3)
+    bench.train_step(method, batches[0])
+    after_step = method.background_work()  # the gathers the step started are still queued
+    method.finish()
+    _, after_turn = bench.timed_turn(method, batches[1:])
+    method.engine.close()
+    return {"after_step": after_step, "after_turn": after_turn}
+
+
+def test_a_timed_turn_ends_with_the_gathers_its_steps_started_finished() -> None:
+    for result in run_distributed(run_turns, 2, start_method="forkserver"):
+        # The detector sees real work: a step returns while its gathers run (overlap_param_gather).
+        assert result["after_step"], result
+        assert not result["after_turn"], result
+
+
+def test_the_report_fails_a_method_whose_work_outlived_its_turn() -> None:
+    bench = _bench_module()
+    result = bench.MethodResult(
+        world_size=2, method="zero2", step_ms_rounds=[1.0, 1.0], phase_ms={}, state_bytes=[], master_bytes=[],
+        grad_bytes=[], shard_numel=[], final_loss=0.0, resident_bytes=[], phase_peak_bytes={}, param_bytes=0,
+        unsharded_state_bytes=0, leftover_turns=1,
+    )
+    [check] = bench.turn_checks([result])
+    assert not check.passed and "zero2 1" in check.detail
+    [check] = bench.turn_checks([bench.dataclasses.replace(result, leftover_turns=0)])
+    assert check.passed
+
+
+def test_engine_bench_smoke_run_passes_the_turn_boundary_check(tmp_path: Path) -> None:
+    out = tmp_path / "engine.md"
+    subprocess.run([sys.executable, str(BENCH / "engine.py"), "--quick", "--world-sizes", "2", "--rounds", "2",
+                    "--methods", "zero2", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    text = out.read_text()
+    assert "- PASS: ws=2: every method's turns ended with all its work done" in text, text
+    assert "| 2 | zero2 |" in text and "| 2 | ddp |" in text
+    assert "drain ms" in text
