@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch; installed first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast test-matrix bench lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# One virtual environment per supported Python x torch x Lightning combination (under .matrix/), each
+# running the fast tests; results in .matrix/results.txt, recorded in COMPATIBILITY.md. Not run by CI.
+test-matrix:
+	nice -n 10 .ci/test-matrix
 
 bench: install
 	$(PY) bench/engine.py
