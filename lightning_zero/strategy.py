@@ -121,6 +121,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._module_meta: dict[str, Any] | None = None
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
+        self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
 
     @override
     def _configure_launcher(self) -> None:
@@ -153,6 +154,24 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self._set_up_early:
+            self._set_up_model(trainer)
+        self._set_up_early = False
+        if isinstance(self.checkpoint_io, ZeroCheckpointIO):
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
+                                                                            _ClaimAwareExists):
+                    # Instance attribute: Lightning's method stays, the user's class is untouched.
+                    callback.file_exists = _ClaimAwareExists(callback, self.checkpoint_io)  # type: ignore[method-assign]
+            if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
+                # Each save's cost reaches the user's loggers without them asking (no collective).
+                trainer.callbacks.append(CheckpointMetrics())
+        self.setup_precision_plugin()
+
+    def _set_up_model(self, trainer: Trainer) -> None:
+        """The module on its device and in its precision, and for ``fit`` the optimizers and the engine:
+        in ``setup``, or earlier when ``fit`` resumes ([Note: restore before on_fit_start])."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
@@ -188,15 +207,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             saver.prepare(self.num_processes)  # every save coordinates in the background, also after validate/test
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
-                                                                            _ClaimAwareExists):
-                    # Instance attribute: Lightning's method stays, the user's class is untouched.
-                    callback.file_exists = _ClaimAwareExists(callback, self.checkpoint_io)  # type: ignore[method-assign]
-            if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
-                # Each save's cost reaches the user's loggers without them asking (no collective).
-                trainer.callbacks.append(CheckpointMetrics())
-        self.setup_precision_plugin()
 
     def _release_engine(self) -> None:
         if self._engine is not None:
@@ -353,7 +363,16 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the engine must exist to receive sharded state
+        """False, as for DDP: Lightning restores the module and the callbacks before ``setup`` and
+        ``on_fit_start``.
+
+        [Note: restore before on_fit_start] Sharded state needs the engine, which ``setup`` builds; with
+        the restore after ``setup`` (as DeepSpeed's strategy does) ``on_fit_start`` ran before any callback
+        had its state back, and StochasticWeightAveraging and BaseFinetuning, which restore their schedulers
+        and param groups there, broke on resume. So a resuming ``fit`` builds the module's device placement,
+        precision, optimizers and engine inside :meth:`load_checkpoint` (:meth:`_set_up_model`), and
+        ``setup`` does not build them again."""
+        return False
 
     @property
     @override
@@ -433,6 +452,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
         module = self.lightning_module
         assert module is not None
+        trainer = module.trainer
+        if trainer.state.fn == TrainerFn.FITTING and not self._engine_live and not self._set_up_early:
+            self._set_up_model(trainer)  # [Note: restore before on_fit_start]
+            self._set_up_early = True
         engine = self._engine
         # Lightning's order would apply the weights after the module's on_load_checkpoint; here they are
         # in the engine before it (sharded state needs no second copy), but strict_loading is honoured.

@@ -394,3 +394,31 @@ def gradient_norms(rank: int, world_size: int, root: str, strategy: str, stage: 
     trainer.fit(EvalNet(), loader(3, 1, world_size))
     return {"norms": [{k: float(v) for k, v in step.items()} for step in probe.steps],
             "lightning": [{k: float(v) for k, v in step.items()} for step in probe.lightning]}
+
+
+class SWAWithLambda(EvalNet):
+    """Lightning's test_swa_resume_training_from_checkpoint_custom_scheduler: a LambdaLR of the module's own."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.9 ** e)}
+
+
+def swa_resume(rank: int, world_size: int, root: str, strategy: str, mode: str) -> dict[str, Any]:
+    """StochasticWeightAveraging from epoch 1 over 4 epochs with a LambdaLR; the run resumed from the
+    epoch-2 checkpoint (after SWA took the scheduler over) ends with the uninterrupted run's weights."""
+    as_torchrun(rank, world_size)
+    directory = f"{root}/{strategy}-{mode}-swa-resume"
+
+    def run(ckpt_path: str | None) -> dict[str, torch.Tensor]:
+        checkpoint = ModelCheckpoint(dirpath=directory if ckpt_path is None else f"{directory}-resumed",
+                                     filename="{epoch}", save_top_k=-1)
+        swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=1)
+        trainer = make_trainer(world_size, strategy, root, mode=mode, max_epochs=4, callbacks=[swa, checkpoint])
+        module = SWAWithLambda()
+        trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
+        return _weights(module)
+
+    uninterrupted = run(None)
+    resumed = run(f"{directory}/epoch=2.ckpt")
+    return {"uninterrupted": uninterrupted, "resumed": resumed}

@@ -28,6 +28,7 @@ from contract_cases import (
     gradient_norms,
     no_optimizer_fit,
     repeated_fits_groups,
+    swa_resume,
     swa_run,
     versioned_names,
     written_weights,
@@ -213,3 +214,15 @@ def test_gradient_norms_for_logging_equal_ddp_s(tmp_path: Any, stage: int) -> No
             assert ours.keys() == theirs.keys() and len(ours) > 2
             for key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_swa_with_a_custom_scheduler_resumes_as_under_ddp(tmp_path: Any, mode: str) -> None:
+    """callbacks/test_stochastic_weight_avg.py::test_swa_resume_training_from_checkpoint_custom_scheduler:
+    SWA restores its scheduler in on_fit_start, so the callbacks' state must be back before it (it used
+    to fail with KeyError: 'lr_lambdas')."""
+    ddp = _on_ranks(swa_resume, str(tmp_path), "ddp", "full")[0]
+    zero = _on_ranks(swa_resume, str(tmp_path), "zero", mode)[0]
+    assert_close_dicts(zero["uninterrupted"], ddp["uninterrupted"], "uninterrupted")
+    assert_close_dicts(zero["resumed"], ddp["resumed"], "resumed")
+    assert_close_dicts(zero["resumed"], zero["uninterrupted"], "resumed = uninterrupted", atol=1e-6)

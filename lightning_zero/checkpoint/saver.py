@@ -260,10 +260,15 @@ class _AsyncSaver:
                 pending.stats.staging_wait_s += time.perf_counter() - started
 
     def _record(self, done: Future, stats: SaveStats) -> None:
-        """(worker thread) Keep the figures of a save that committed; a failed one is raised instead."""
+        """Keep the figures of a save that committed, once; a failed one is raised instead. Called by the
+        worker thread when the save ends and by :meth:`finalize`: ``future.result()`` can return before
+        the worker has run its done-callbacks, and a caller reading ``last_stats`` right after a blocking
+        finalize found None."""
         if done.cancelled() or done.exception() is not None:
             return
         with self._stats_lock:
+            if self.last_stats is stats:  # one save in flight at a time: the other call recorded it
+                return
             self._committed.append(stats)
             self.last_stats = stats
 
@@ -295,6 +300,8 @@ class _AsyncSaver:
             raise
         except Exception as exc:
             raise CheckpointSaveError(f"Saving checkpoint {pending.url!r} failed: {exc}") from exc
+        if pending.stats is not None:
+            self._record(pending.future, pending.stats)
         return True
 
     def remove_after_pending(self, loc: Location) -> None:
