@@ -226,3 +226,23 @@ def test_swa_with_a_custom_scheduler_resumes_as_under_ddp(tmp_path: Any, mode: s
     assert_close_dicts(zero["uninterrupted"], ddp["uninterrupted"], "uninterrupted")
     assert_close_dicts(zero["resumed"], ddp["resumed"], "resumed")
     assert_close_dicts(zero["resumed"], zero["uninterrupted"], "resumed = uninterrupted", atol=1e-6)
+
+
+def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: Any) -> None:
+    """core/test_lightning_optimizer.py's LBFGS: refused at setup with the reason, as Lightning's DeepSpeed
+    strategy refuses it, instead of an internal TypeError after the first backward."""
+    from lifecycle_cases import EvalNet
+    from lightning.pytorch import Trainer
+    from lightning_cases import loader
+
+    from lightning_zero import ZeroLowLevelStrategy
+
+    class WithLBFGS(EvalNet):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroLowLevelStrategy(stage=2), max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path), use_distributed_sampler=False)
+    with pytest.raises(ValueError, match=r"LBFGS\) cannot run under ZeRO: it needs a closure"):
+        trainer.fit(WithLBFGS(), loader(2, 1, 1))
