@@ -191,6 +191,16 @@ def _logs_step(training_step: Any) -> Any:
     return step
 
 
+def uninterrupted_then_resumed(run: Any, rank: int, saved: str) -> tuple[dict[str, torch.Tensor],
+                                                                         dict[str, torch.Tensor], dict[str, Any]]:
+    """``run(None)`` (which saves ``saved`` on the way), then ``run(saved)`` in a fresh Trainer; the weights
+    of both and, on rank 0, what ``saved`` holds (read whole, weights only)."""
+    uninterrupted = run(None)
+    torch.distributed.barrier()
+    content = read_lightning_checkpoint(saved, optimizer=False) if rank == 0 else {}
+    return uninterrupted, run(saved), content
+
+
 def ema_run(rank: int, world_size: int, root: str, strategy: str, mode: str) -> dict[str, Any]:
     """EMAWeightAveraging (Lightning's weight_averaging tests): 4 steps saving at steps 2 and 4, then a
     fresh Trainer resumed from step 2 to step 4. What the step-2 checkpoint holds, the weights of both
@@ -209,10 +219,7 @@ def ema_run(rank: int, world_size: int, root: str, strategy: str, mode: str) -> 
         trainer.fit(module, loader(4, 1, world_size), ckpt_path=ckpt_path)
         return _weights(module)
 
-    uninterrupted = run(None)
-    torch.distributed.barrier()
-    saved = read_lightning_checkpoint(f"{directory}/step=2.ckpt", optimizer=False) if rank == 0 else {}
-    resumed = run(f"{directory}/step=2.ckpt")
+    uninterrupted, resumed, saved = uninterrupted_then_resumed(run, rank, f"{directory}/step=2.ckpt")
     return {"uninterrupted": uninterrupted, "resumed": resumed,
             "saved_state_dict": saved.get("state_dict"), "saved_current": saved.get("current_model_state")}
 
@@ -267,10 +274,7 @@ def adapter_run(rank: int, world_size: int, root: str, mode: str, how: str) -> d
         trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
         return _weights(module)
 
-    uninterrupted = run(None)
-    torch.distributed.barrier()
-    saved = read_lightning_checkpoint(f"{directory}/epoch=0.ckpt", optimizer=False) if rank == 0 else {}
-    resumed = run(f"{directory}/epoch=0.ckpt")
+    uninterrupted, resumed, saved = uninterrupted_then_resumed(run, rank, f"{directory}/epoch=0.ckpt")
     return {"uninterrupted": uninterrupted, "resumed": resumed, "saved_keys": sorted(saved.get("state_dict", {}))}
 
 
@@ -419,6 +423,5 @@ def swa_resume(rank: int, world_size: int, root: str, strategy: str, mode: str) 
         trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
         return _weights(module)
 
-    uninterrupted = run(None)
-    resumed = run(f"{directory}/epoch=2.ckpt")
+    uninterrupted, resumed, _ = uninterrupted_then_resumed(run, rank, f"{directory}/epoch=2.ckpt")
     return {"uninterrupted": uninterrupted, "resumed": resumed}
