@@ -501,7 +501,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
             self._engine_live = False
-        super().teardown()
+        super().teardown()  # the plugin's teardown finalizes the save in flight
+        if isinstance(self.checkpoint_io, ZeroCheckpointIO):
+            saver.release()  # its thread and group end with the run; a later save makes them again
 
     @classmethod
     @override

@@ -425,3 +425,19 @@ def swa_resume(rank: int, world_size: int, root: str, strategy: str, mode: str) 
 
     uninterrupted, resumed, _ = uninterrupted_then_resumed(run, rank, f"{directory}/epoch=2.ckpt")
     return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def threads_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The package's threads after a fit that saved asynchronously (none may be left), and whether a save
+    after fit still works (it makes what it needs again)."""
+    import threading
+
+    as_torchrun(rank, world_size)
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/threads", every_n_train_steps=1, save_top_k=-1)
+    trainer = make_trainer(world_size, "zero", root, max_steps=2, callbacks=[checkpoint])
+    trainer.fit(EvalNet(), loader(2, 1, world_size))
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_zero"))
+    trainer.save_checkpoint(f"{root}/after-fit.ckpt")
+    torch.distributed.barrier()
+    saved = read_lightning_checkpoint(f"{root}/after-fit.ckpt", optimizer=False)["global_step"] if rank == 0 else 2
+    return {"threads": left, "saved_step": saved}

@@ -30,6 +30,7 @@ from contract_cases import (
     repeated_fits_groups,
     swa_resume,
     swa_run,
+    threads_after_fit,
     versioned_names,
     written_weights,
 )
@@ -100,12 +101,11 @@ def test_fit_without_an_optimizer_runs_and_changes_nothing(tmp_path: Any) -> Non
 
 
 def test_repeated_fits_leave_no_process_group_behind(tmp_path: Any) -> None:
-    """Every group the engine creates (the gathers' own) ends with its fit: after each of three fits in
-    one process the process knows the default group and the checkpoint coordination group only (made
-    once per process and reused by every fit's saves)."""
+    """Every group the package creates (the engine's gather group, the checkpoints' coordination group)
+    ends with its fit: after each of three fits in one process only the default group is left."""
     counts = _on_ranks(repeated_fits_groups, str(tmp_path))
     for per_rank in counts:
-        assert per_rank == [1, 2, 2, 2], per_rank
+        assert per_rank == [1, 1, 1, 1], per_rank
 
 
 def test_trainer_pickles_and_deep_copies_after_fit(tmp_path: Any) -> None:
@@ -246,3 +246,8 @@ def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: A
                       enable_model_summary=False, default_root_dir=str(tmp_path), use_distributed_sampler=False)
     with pytest.raises(ValueError, match=r"LBFGS\) cannot run under ZeRO: it needs a closure"):
         trainer.fit(WithLBFGS(), loader(2, 1, 1))
+
+
+def test_no_thread_of_the_package_outlives_fit(tmp_path: Any) -> None:
+    for result in _on_ranks(threads_after_fit, str(tmp_path)):
+        assert result["threads"] == [] and result["saved_step"] == 2, result

@@ -228,6 +228,13 @@ class _AsyncSaver:
         self.last_stats: SaveStats | None = None
         self._submitted_stats: SaveStats | None = None
 
+    def shut_down(self) -> None:
+        """End the worker thread once what it was given is done (the next save starts another)."""
+        self._reap_removals(blocking=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     def executor(self) -> ThreadPoolExecutor:
         if self._executor is None:
             # One worker: saves and removals run in submission order.
@@ -424,6 +431,19 @@ def maybe_finalize_async_calls(blocking: bool = True, process_group: Any = None,
     if process_group is not None or coordinator_rank is not None:
         _team(process_group, coordinator_rank)
     return _SAVER.finalize(blocking)
+
+
+def release() -> None:
+    """(every rank, training thread, after the last save was finalized) End the saver's worker thread and
+    the coordination group, so that a finished run leaves nothing of this package running and repeated
+    fits in one process do not accumulate groups; the next save or load makes them again (collectively:
+    every rank saves and loads together)."""
+    global _coordination_group
+    _SAVER.shut_down()
+    if _coordination_group is not None:
+        group, _coordination_group = _coordination_group, None
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
 
 
 def wait_for_staging() -> None:
