@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -122,6 +122,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
         self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
+        self._pending_weights: ckpt_trainer.PendingWeights | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -457,36 +458,57 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._set_up_model(trainer)  # [Note: restore before on_fit_start]
             self._set_up_early = True
         engine = self._engine
-        # Lightning's order would apply the weights after the module's on_load_checkpoint; here they are
-        # in the engine before it (sharded state needs no second copy), but strict_loading is honoured.
         strict = bool(getattr(module, "strict_loading", True))
-        may_lack = frozenset(name for name, p in module.named_parameters(remove_duplicate=False)
-                             if not p.requires_grad) if self.exclude_frozen_parameters else frozenset()
+        may_lack = self._may_lack(module)
+        # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
+        # applied, as under DDP ([Note: hook before weights] in checkpoint/trainer.py).
+        hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
+        pending: list[ckpt_trainer.PendingWeights] = []
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
+            pending.clear()
             if engine is None:
                 # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads a
                 # sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
                 sharing = saver.shared_metadata(storage.resolve(candidate, options)) if isinstance(
                     io, ZeroCheckpointIO) else contextlib.nullcontext()
                 with sharing:
-                    return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack)
+                    return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
+                                                     apply=not hook_first)
             return ckpt_trainer.load_zero_state_local(engine, module, candidate, options, strict=strict,
-                                                      may_lack=may_lack)
+                                                      may_lack=may_lack, pending=pending if hook_first else None)
 
         _, result = ckpt_trainer.load_with_fallback(
             path, options, load_one, lambda ok: self.reduce_boolean_decision(ok, all=True), rank_zero_warn
         )
-        if engine is not None:
+        self._pending_weights = pending[0] if pending else None
+        if engine is not None and not pending:
             ckpt_trainer.publish(engine, module)  # collectives only once every rank has loaded
-        self._loaded_by_strategy = True
+        self._loaded_by_strategy = not hook_first
         return result
+
+    def _may_lack(self, module: LightningModule) -> frozenset[str]:
+        """Weights a checkpoint may lack without a ``strict_loading`` error: the frozen ones when they are
+        left out of every checkpoint (``exclude_frozen_parameters``)."""
+        if not self.exclude_frozen_parameters:
+            return frozenset()
+        return frozenset(name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._loaded_by_strategy:
             return  # already in the engine (and gathered into the model) by `load_checkpoint`
+        module = self.lightning_module
+        assert module is not None
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is not None and self._engine is not None:
+            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/trainer.py).
+            ckpt_trainer.apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
+                                               self._may_lack(module))
+            ckpt_trainer.publish(self._engine, module)
+            return
+        ckpt_trainer.keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override

@@ -441,3 +441,68 @@ def threads_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.distributed.barrier()
     saved = read_lightning_checkpoint(f"{root}/after-fit.ckpt", optimizer=False)["global_step"] if rank == 0 else 2
     return {"threads": left, "saved_step": saved}
+
+
+class Migrating(EvalNet):
+    """A module whose layers were renamed since the checkpoint (``net`` is now ``body``), migrating old
+    checkpoints in ``on_load_checkpoint`` as Lightning documents; ``edit`` says what else the hook does."""
+
+    def __init__(self, edit: str = "rename") -> None:
+        super().__init__()
+        self.body = self.net
+        del self.net
+        self.edit = edit
+        self.strict_loading = edit != "drop"
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        from lightning_cases import local_slice
+
+        x, y = local_slice(self, batch)
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from engine_cases import make_optimizer
+
+        return make_optimizer(self.optimizer_name, self.body)  # the groups EvalNet's checkpoint has
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state_dict = checkpoint["state_dict"]
+        for key in [k for k in state_dict if k.startswith("net.")]:
+            state_dict["body." + key.removeprefix("net.")] = state_dict.pop(key)
+        if self.edit == "drop":
+            del state_dict["body.head.bias"]
+        if self.edit == "compute":
+            state_dict["body.head.bias"] = state_dict["body.head.bias"] * 0.0
+
+
+class StartWeights(Callback):
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.weights = _weights(pl_module)
+
+
+def migrate_on_load(rank: int, world_size: int, root: str, mode: str, edit: str) -> dict[str, Any]:
+    """Fit EvalNet 2 steps and save; then fit and validate a :class:`Migrating` module from that checkpoint.
+    The saved weights, the migrated module's weights at the start of its fit and after validate, or the
+    error every rank raised."""
+    as_torchrun(rank, world_size)
+    path = f"{root}/old-{mode}.ckpt"
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=2)
+    old = EvalNet()
+    trainer.fit(old, loader(2, 1, world_size))
+    trainer.save_checkpoint(path)
+    saved = {"body." + k.removeprefix("net."): v for k, v in _weights(old).items()}
+    start = StartWeights()
+    migrated = Migrating(edit)
+    own = _weights(migrated)
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=3, callbacks=[start])
+    try:
+        trainer.fit(migrated, loader(3, 1, world_size), ckpt_path=path)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    evaluated = Migrating(edit)
+    trainer = make_trainer(world_size, "zero", root, mode=mode)
+    trainer.validate(evaluated, loader(1, 1, world_size), ckpt_path=path, verbose=False)
+    return {"error": None, "saved": saved, "own": own, "start": start.weights, "validated": _weights(evaluated)}

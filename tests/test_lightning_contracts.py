@@ -26,6 +26,7 @@ from contract_cases import (
     new_head_resume,
     fit_from_a_save_outside_fit,
     gradient_norms,
+    migrate_on_load,
     no_optimizer_fit,
     repeated_fits_groups,
     swa_resume,
@@ -251,3 +252,34 @@ def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: A
 def test_no_thread_of_the_package_outlives_fit(tmp_path: Any) -> None:
     for result in _on_ranks(threads_after_fit, str(tmp_path)):
         assert result["threads"] == [] and result["saved_step"] == 2, result
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
+def test_on_load_checkpoint_migrates_renamed_layers_before_the_weights_are_applied(tmp_path: Any, mode: str) -> None:
+    """trainer/connectors/test_checkpoint_connector.py: the module's on_load_checkpoint sees the checkpoint
+    before its weights are applied and strict_loading judges the result: a hook renaming old layer names
+    resumes fit and validate (a KeyError for missing keys before)."""
+    for result in _on_ranks(migrate_on_load, str(tmp_path), mode, "rename"):
+        assert result["error"] is None, result["error"]
+        assert_close_dicts(result["start"], result["saved"], "fit resumed through the renaming hook", atol=0.0)
+        assert_close_dicts(result["validated"], result["saved"], "validate through the renaming hook", atol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_a_weight_the_hook_drops_keeps_the_module_value(tmp_path: Any, mode: str) -> None:
+    for result in _on_ranks(migrate_on_load, str(tmp_path), mode, "drop"):
+        assert result["error"] is None, result["error"]
+        expected = {**result["saved"], "body.head.bias": result["own"]["body.head.bias"]}
+        assert not torch.equal(result["saved"]["body.head.bias"], result["own"]["body.head.bias"])
+        assert_close_dicts(result["start"], expected, "the dropped weight is the module's own", atol=0.0)
+        assert_close_dicts(result["validated"], expected, "validate", atol=0.0)
+
+
+def test_a_hook_computes_from_a_full_checkpoint_and_is_told_why_it_cannot_from_a_sharded_one(tmp_path: Any) -> None:
+    full = _on_ranks(migrate_on_load, str(tmp_path / "full"), "full", "compute")
+    for result in full:
+        assert result["error"] is None, result["error"]
+        assert torch.count_nonzero(result["start"]["body.head.bias"]) == 0
+    sharded = _on_ranks(migrate_on_load, str(tmp_path / "sharded"), "sharded", "compute")
+    for result in sharded:
+        assert result["error"] is not None and "placeholders" in result["error"] and "convert" in result["error"]

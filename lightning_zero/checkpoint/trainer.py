@@ -27,6 +27,7 @@ import io
 import pickle
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -179,16 +180,40 @@ def read_trainer_state(blob: bytes, url: str) -> dict[str, Any]:
 # ---- load ---------------------------------------------------------------------------------
 
 
+@dataclass
+class PendingWeights:
+    """A fit's load whose weights wait for the module's ``on_load_checkpoint`` ([Note: hook before
+    weights]); :func:`apply_pending_weights` finishes it."""
+
+    url: str
+    options: dict[str, Any]
+    full: dict[str, Any] | None = None
+    """A ``full`` checkpoint's content: its state dict is applied after the hook, as edited."""
+    placeholders: dict[int, str] = field(default_factory=dict)
+    """``local``/``sharded``: id of each placeholder the hook saw in ``state_dict`` -> the saved key."""
+    loaded: set[str] = field(default_factory=set)
+    """The module's keys the load filled by name, before the hook."""
+    own: dict[str, Tensor] = field(default_factory=dict)
+    """The module's values of those keys before the load (master shards for sharded parameters)."""
+    keep: list[Any] = field(default_factory=list)  # the placeholders themselves, alive while ids are used
+
+
 def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                           storage_options: dict[str, Any] | None = None, *, strict: bool = True,
-                          may_lack: frozenset[str] = frozenset()) -> dict[str, Any]:
+                          may_lack: frozenset[str] = frozenset(),
+                          pending: list[PendingWeights] | None = None) -> dict[str, Any]:
     """Fill this rank's shards (masters, optimizer state, hyper-parameters) and the buffers from a
     checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
     call :func:`publish` on every rank once every rank has loaded.
 
     ``strict`` (the LightningModule's ``strict_loading``): False keeps the module's values of weights
     the checkpoint lacks and ignores the ones it holds in excess, with Lightning's warnings;
-    ``may_lack``: weights it may lack either way (saved with ``exclude_frozen_parameters``)."""
+    ``may_lack``: weights it may lack either way (saved with ``exclude_frozen_parameters``).
+
+    ``pending`` (a list): the weights wait for the module's ``on_load_checkpoint`` ([Note: hook before
+    weights]): the returned ``state_dict`` holds placeholders (``local``/``sharded``) or the saved tensors
+    (``full``), and a :class:`PendingWeights` appended to the list says how to finish with
+    :func:`apply_pending_weights`; the key checks wait for it too."""
     options = storage_options or {}
     loc = storage.resolve(checkpoint_id, options)
     # [Note: shared metadata] in saver.py: a sharded checkpoint's .metadata is read by rank 0 only,
@@ -210,6 +235,9 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
             error = exc
         saver.agree(error, loc)
         if mode == "full":
+            if "state_dict" in content and pending is not None:
+                pending.append(PendingWeights(checkpoint_id, options, full=content))
+                return content
             if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
                 keep_own_values(module, content["state_dict"], checkpoint_id, strict, may_lack)
                 ckpt_state.load_full_into_engine(engine, module, content, strict=strict,
@@ -222,13 +250,121 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         if not any(k.startswith("optimizer/") for k in keys):
             tree.pop("optimizer")
         saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
-        for fqn in missing_weights(set(tree["model"]), saved_model, checkpoint_id, strict, may_lack):
+        record = None
+        if pending is not None:  # by name, leniently: the hook decides what stays ([Note: hook before weights])
+            lacking = set(tree["model"]) - saved_model
+            record = PendingWeights(checkpoint_id, options, loaded=set(tree["model"]) & saved_model)
+            record.own = _own_values(engine, module, record.loaded)
+        else:
+            lacking = missing_weights(set(tree["model"]), saved_model, checkpoint_id, strict, may_lack)
+        for fqn in lacking:
             del tree["model"][fqn]  # its master keeps the module's value
-        objects = saver.load(tree, checkpoint_id, storage_options=options, strict=strict)
+        objects = saver.load(tree, checkpoint_id, storage_options=options, strict=strict and record is None)
         for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
             ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
         content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
-        return {**content, "state_dict": module.state_dict()}
+        if record is None:
+            return {**content, "state_dict": module.state_dict()}
+        state_dict = _placeholders(module, saved_model, record)
+        assert pending is not None
+        pending.append(record)
+        return {**content, "state_dict": state_dict}
+
+
+# [Note: hook before weights]
+# Lightning hands the loaded checkpoint to the module's ``on_load_checkpoint`` before it applies
+# ``checkpoint["state_dict"]`` (``load_model_state_dict``): a module migrates an old checkpoint there
+# (renamed layers, dropped or new weights), and only then does ``strict_loading`` judge the keys. A
+# ``full`` checkpoint is read whole anyway: the hook sees its tensors and the edited state dict is
+# applied afterwards. A ``local``/``sharded`` one is read shard by shard into the engine, by name,
+# before the hook (its files are checked, and a damaged one falls back to an older checkpoint); the
+# hook sees a placeholder per saved weight (a tensor on the ``meta`` device, with the module's shape
+# where the name matches). Afterwards a placeholder left under its own name costs nothing, one moved
+# to another name is read again into that weight, a tensor the hook put in is used as it is, and a
+# weight whose entry the hook removed gets the module's own value back. Only modules that override
+# ``on_load_checkpoint`` take this path. The optimizer state of a renamed weight starts fresh.
+
+
+def _own_values(engine: ZeroEngine, module: nn.Module, names: set[str]) -> dict[str, Tensor]:
+    """Copies of what the module holds under ``names`` (this rank's master shard for a sharded parameter)."""
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    own = {}
+    for fqn in names:
+        sp = engine.sharded_params.get(tensors[fqn])  # type: ignore[call-overload]
+        own[fqn] = (sp.master if sp is not None else tensors[fqn]).detach().clone()
+    return own
+
+
+def _placeholders(module: nn.Module, saved: set[str], record: PendingWeights) -> dict[str, Tensor]:
+    shapes = {name: (t.shape, t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    state_dict: dict[str, Tensor] = {}
+    for key in sorted(saved):
+        shape, dtype = shapes.get(key, ((0,), torch.float32))
+        placeholder = torch.empty(shape, dtype=dtype, device="meta")
+        record.placeholders[id(placeholder)] = key
+        record.keep.append(placeholder)
+        state_dict[key] = placeholder
+    return state_dict
+
+
+@torch.no_grad()
+def apply_pending_weights(engine: ZeroEngine, module: nn.Module, record: PendingWeights, state_dict: dict[str, Any],
+                          strict: bool, may_lack: frozenset[str] = frozenset()) -> None:
+    """Finish a load after the module's ``on_load_checkpoint`` edited ``state_dict`` ([Note: hook before
+    weights]): the key check as ``strict_loading`` says, then renamed, replaced and removed weights.
+    No collective on the training group: call :func:`publish` afterwards."""
+    if record.full is not None:
+        keep_own_values(module, state_dict, record.url, strict, may_lack)
+        masters = {fqn: master for fqn, master in (record.full.get(MASTERS_KEY) or {}).items()
+                   if isinstance(state_dict.get(fqn), Tensor)
+                   and torch.equal(master.reshape(state_dict[fqn].shape).to(state_dict[fqn].dtype), state_dict[fqn])}
+        ckpt_state.load_full_into_engine(engine, module, {**record.full, "state_dict": state_dict}, strict=strict,
+                                         masters=masters)
+        return
+    own_keys = set(module.state_dict())
+    lacking = missing_weights(own_keys, set(state_dict), record.url, strict, may_lack)
+    if strict:
+        check_same_keys(own_keys - lacking, set(state_dict), record.url)
+    renamed: dict[str, str] = {}
+    replaced: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        saved_key = record.placeholders.get(id(value))
+        if saved_key is not None:
+            if saved_key != key and key in own_keys:
+                renamed[key] = saved_key
+        elif isinstance(value, Tensor) and value.device.type == "meta":
+            raise ValueError(
+                f"on_load_checkpoint put a tensor without data under {key!r}: the weights of checkpoint"
+                f" {record.url!r} ({'local/sharded'}) are placeholders until they are applied, so a hook can rename,"
+                " drop or replace them but not compute from them. Convert the checkpoint to one full file"
+                " (`lightning-zero convert`) and resume from that, where the hook sees the tensors."
+            )
+        elif isinstance(value, Tensor) and key in own_keys:
+            replaced[key] = value
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for key in record.loaded:  # filled by name before the hook, no longer the saved weight of that name
+        if record.placeholders.get(id(state_dict.get(key))) != key and key not in renamed and key not in replaced:
+            _set_own(engine, tensors[key], record.own[key], shard=True)
+    for key, value in replaced.items():
+        _set_own(engine, tensors[key], value, shard=False)
+    if renamed:
+        targets = ckpt_state.zero_state_dict(engine, module, for_load=True)["model"]
+        saver.load({"model": {saved: targets[key] for key, saved in renamed.items()}}, record.url,
+                   storage_options=record.options, strict=False)
+        rank_zero_warn(f"on_load_checkpoint renamed {len(renamed)} weights of {record.url!r}"
+                       f" ({_some(sorted(renamed))}): their optimizer state starts fresh.")
+
+
+def _set_own(engine: ZeroEngine, tensor: Tensor, value: Tensor, shard: bool) -> None:
+    """``value`` into a module tensor: into its master shard if the engine holds it (``shard``: ``value`` is
+    that shard already; else a whole tensor), else the tensor itself."""
+    sp = engine.sharded_params.get(tensor)  # type: ignore[call-overload]
+    if sp is None:
+        tensor.copy_(value)
+    elif shard:
+        sp.master.copy_(value)
+    else:
+        sp.load_master_from(value.to(sp.master.device))
 
 
 def missing_weights(expected: set[str], saved: set[str], url: str, strict: bool,
@@ -285,10 +421,11 @@ def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: s
 
 @torch.no_grad()
 def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
-                 strict: bool = True, may_lack: frozenset[str] = frozenset()) -> dict[str, Any]:
+                 strict: bool = True, may_lack: frozenset[str] = frozenset(), apply: bool = True) -> dict[str, Any]:
     """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
     from any mode and at any world size; no optimizer state. Returns Lightning's part. ``strict`` and
-    ``may_lack`` as in :func:`load_zero_state_local`."""
+    ``may_lack`` as in :func:`load_zero_state_local`. ``apply=False``: the weights are only returned, in
+    ``state_dict`` (the exact masters where kept), for the module's ``on_load_checkpoint`` to see first."""
     content = read_lightning_checkpoint(checkpoint_id, storage_options, optimizer=False)
     state_dict = dict(content["state_dict"])
     masters = content.get(MASTERS_KEY) or {}
@@ -296,9 +433,11 @@ def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[st
     for fqn, master in masters.items():
         if fqn in params:
             state_dict[fqn] = master.reshape(params[fqn].shape)  # exact values; load_state_dict casts once
+    content.pop("optimizer_states", None)
+    if not apply:
+        return {**content, "state_dict": state_dict}
     keep_own_values(module, state_dict, checkpoint_id, strict, may_lack)
     module.load_state_dict(state_dict, strict=strict)
-    content.pop("optimizer_states", None)
     return {**content, "state_dict": module.state_dict()}
 
 
