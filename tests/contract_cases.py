@@ -34,7 +34,7 @@ def make_trainer(world_size: int, strategy: str, root: str, *, mode: str = "shar
         max_steps=max_steps if max_epochs is None else -1, max_epochs=max_epochs, logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, num_sanity_val_steps=0,
+        default_root_dir=root if "://" not in root else None, num_sanity_val_steps=0,
     )
 
 

@@ -113,3 +113,14 @@ def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: An
     resumed = fit(make_trainer(mode, prefix, 2, start_method="forkserver", storage_options=s3.storage_options),
                   ckpt_path="last", perturb=True)
     assert_same_weights(resumed, uninterrupted, f"{mode}: resumed from 'last' in {prefix}")
+
+
+def test_model_checkpoint_version_names_are_unique_on_s3(s3: S3) -> None:  # noqa: F811
+    """ModelCheckpoint's -vN names under async saves on S3, where an object exists only once uploaded
+    (tests/test_lightning_contracts.py holds the same test on local paths, against ddp)."""
+    from contract_cases import versioned_names
+
+    result = run_distributed(versioned_names, WORLD_SIZE, s3.fresh_prefix("versions"), "zero", "sharded",
+                             start_method="forkserver")[0]
+    assert result["names"] == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"]
+    assert sorted(result["steps"].values()) == [1, 2, 3, 4]
