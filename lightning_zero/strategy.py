@@ -68,6 +68,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             stopping, skips that step's update on every rank with a warning (the weights and the
             optimizer state stay as they were; the LR scheduler still steps); ``"ignore"`` (default)
             adds nothing to the step.
+        whole_step_group_mb: shape-aware optimizers (Muon, Adafactor) step whole matrices gathered from the
+            shards a group of at most this many MiB at a time (``ZeroConfig.whole_step_group_mb``; None: all at
+            once). README, "Optimizers".
         exclude_frozen_parameters: leave parameters that do not require grad out of every checkpoint (a
             frozen pretrained base under adapters), as DeepSpeed's option of that name; loading such a
             checkpoint keeps the module's own values of the parameters it lacks (no ``strict_loading``
@@ -97,12 +100,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         nonfinite_loss: Literal["ignore", "raise", "skip"] = "ignore",
         exclude_frozen_parameters: bool = False,
+        whole_step_group_mb: float | None = 1024.0,
     ) -> None:
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
-                                      shard_group_size)
+                                      shard_group_size, whole_step_group_mb=whole_step_group_mb)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

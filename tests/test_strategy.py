@@ -54,6 +54,13 @@ def test_standard_ddp_arguments_pass_through() -> None:
     assert strategy._start_method == "spawn"
 
 
+def test_whole_step_group_size_reaches_the_engine_config_and_is_validated() -> None:
+    assert ZeroLowLevelStrategy(whole_step_group_mb=16).zero_config.whole_step_group_mb == 16
+    assert ZeroLowLevelStrategy(whole_step_group_mb=None).zero_config.whole_step_group_mb is None
+    with pytest.raises(ValueError, match="whole_step_group_mb must be > 0"):
+        ZeroLowLevelStrategy(whole_step_group_mb=0)
+
+
 def _fit(module: LightningModule, *, stage: int, steps: int, accumulate: int = 1, same_batch: bool = False,
          **trainer_kwargs: Any) -> dict[str, Any]:
     trainer = Trainer(
