@@ -57,8 +57,9 @@ from _common import describe_machine, load_average
 from torch import Tensor, nn
 
 from lightning_zero import _collectives as comm
-from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.sharding import EvenShard
+from lightning_zero.buckets import MAX_IN_FLIGHT
+from lightning_zero.engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine
+from lightning_zero.sharding import EvenShard, assign_buckets
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 MIB = 1024 * 1024
@@ -466,6 +467,71 @@ def planning_report(results: list[PlanResult]) -> list[str]:
     return lines
 
 
+POOL_WORLD_SIZES = (8, 64, 128, 256, 512, 1024)
+LLAMA_7B = {"d": 4096, "ff": 11008, "blocks": 32, "vocab": 32000}
+
+
+def llama_7b_numels() -> list[int]:
+    """Parameter sizes of LLaMA-7B in registration order (6.74B: embedding, 32 x (norm, q, k, v, o,
+    norm, gate, up, down), final norm, untied head)."""
+    d, ff, vocab = LLAMA_7B["d"], LLAMA_7B["ff"], LLAMA_7B["vocab"]
+    block = [d, d * d, d * d, d * d, d * d, d, d * ff, d * ff, ff * d]
+    return [vocab * d, *block * LLAMA_7B["blocks"], d, vocab * d]
+
+
+def old_default_bucket_numel(world_size: int, element_size: int) -> int:
+    """The default before the byte ceiling: ``max(25 MiB, 1M elements x world_size)``."""
+    return max(int(DEFAULT_BUCKET_MB * MIB) // element_size, MIN_CHUNK_NUMEL * world_size)
+
+
+def pool_bytes(numels: Sequence[int], world_size: int, capacity: int, element_size: int) -> int:
+    """What the engine's pool holds per rank while a backward or a step runs: ``MAX_IN_FLIGHT`` slots
+    of the largest bucket's reduction buffer (``[ws, row + flags]`` plus the reduce-scatter output
+    row, as on NCCL) or gathered buffer, whichever is larger ([Note: buffer pool] in buckets.py)."""
+    launch_order = list(reversed(numels))
+    largest = 0
+    for indices in assign_buckets(launch_order, world_size, capacity):
+        row = sum(EvenShard(launch_order[i], world_size).chunk for i in indices)
+        largest = max(largest, (row + len(indices)) * (world_size + 1), row * world_size)
+    return MAX_IN_FLIGHT * largest * element_size
+
+
+def pool_report(world_sizes: Sequence[int]) -> list[str]:
+    """Per-rank pool bytes for a 7B-shaped model in bf16, old and new default buckets: computed from
+    the bucket layout the engine builds (:func:`~lightning_zero.sharding.assign_buckets`), not run."""
+    numels, element_size = llama_7b_numels(), 2
+    weights_gib = sum(numels) * element_size / 1024**3
+    lines = [
+        f"Communication pool per rank, LLaMA-7B shape ({sum(numels) / 1e9:.2f}B parameters, bf16 weights"
+        f" {weights_gib:.1f} GiB), default buckets (`bucket_size_mb=None`), computed from the engine's bucket"
+        f" layout: {MAX_IN_FLIGHT} slots of the largest bucket, held during backward and the step's gathers"
+        " and released once the gathers end ([Note: pool between steps]): 0 between steps with both"
+        " defaults now; before that release, the figure was held between steps too. A parameter larger"
+        " than the bucket gets a bucket of its own, so the embedding and the head (250 MiB each) set a"
+        " floor under the pool at small world sizes.",
+        "",
+        "| world size | old default bucket MiB | old pool MiB/rank | new default bucket MiB | new pool MiB/rank "
+        "| new chunk per rank (elements) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for ws in world_sizes:
+        old = old_default_bucket_numel(ws, element_size)
+        new = ZeroConfig().bucket_numel(ws, element_size)
+        lines.append(
+            f"| {ws} | {old * element_size / MIB:,.0f} | {pool_bytes(numels, ws, old, element_size) / MIB:,.0f} "
+            f"| {new * element_size / MIB:,.0f} | {pool_bytes(numels, ws, new, element_size) / MIB:,.0f} "
+            f"| {new // ws:,} |"
+        )
+    lines += [
+        "",
+        "For reference, the peers' documented defaults (not measured here): Megatron-LM's distributed"
+        " optimizer uses buckets of max(40M, 1M x data-parallel size) elements that are views of its"
+        " contiguous gradient buffer (no separate pool); DeepSpeed ZeRO-1/2 defaults to"
+        " `reduce_bucket_size` and `allgather_bucket_size` of 5e8 elements.",
+    ]
+    return lines
+
+
 def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_size_mb: float | None,
            plans: Sequence[PlanResult] = ()) -> str:
     lines = [
@@ -490,6 +556,7 @@ def report(results: list[ScaleResult], command: str, elapsed_s: float, bucket_si
             f"| {1 + r.tensors / (r.numel / r.world_size):.4f} |"
         )
     lines += ["", *growth_lines(results)]
+    lines += ["", *pool_report(POOL_WORLD_SIZES)]
     if plans:
         lines += ["", *planning_report(plans)]
     return "\n".join(lines)

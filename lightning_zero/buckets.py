@@ -51,10 +51,21 @@ by the whole world size.
 until its reduction is folded into the shard, and a gathered ``[world_size, row_numel]`` buffer
 only until it is copied into the parameters. At most ``MAX_IN_FLIGHT`` of either exist at once, so
 they are slots of a :class:`BufferPool`: ``MAX_IN_FLIGHT`` flat allocations per device, each grown
-to the largest bucket once and reused by every backward and every step (no allocation, page faults
-or allocator fragmentation on the hot path). Reductions and gathers never overlap in time (the
+to the largest bucket and reused by every bucket of a backward and of the step that follows (one
+allocation per slot and step, none per bucket). Reductions and gathers never overlap in time (the
 gathers are finished before the first reduction of a backward, the reductions before the step), so
 they share the slots. A slot is reused only after the collective that used it was waited for.
+
+[Note: pool between steps] The slots are dropped when a step's gathers end (the last gathered
+bucket is in the parameters): between steps, when the forward's activations grow, the engine holds
+its model states only, as ZeRO's accounting says, and not ``MAX_IN_FLIGHT`` buckets on top (at 2
+ranks that made zero2 hold more than DDP). The next backward takes them again from the allocator,
+which has kept the freed blocks: CUDA's caching allocator reuses them with no ``cudaMalloc`` (and
+lends them to the forward's activations meanwhile), glibc's malloc serves the same sizes from its
+heap once its mmap threshold has risen to them. They are dropped on the training thread once it
+has waited for every gather, so on CUDA the current stream is already ordered after the side
+stream's last use of them. Between the reductions and the step's gathers they stay: the gathers
+follow at once and reuse them.
 
 [Note: gather overlap] After the step, :class:`ParamGatherer` gathers the buckets in *forward*
 order (the reverse of the reduction order: the first layers' parameters come first), at most
@@ -109,6 +120,9 @@ class BufferPool:
         self.slots = slots
         self._storage: dict[tuple[torch.device, int], Tensor] = {}  # 1D uint8
         self._busy: set[tuple[torch.device, int]] = set()
+        # The most bytes each slot was asked for: a slot taken again after ``release`` is allocated
+        # at that size at once, not grown bucket by bucket (one allocation per slot and step).
+        self._high_water: dict[tuple[torch.device, int], int] = {}
 
     def take(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1D ``dtype`` view of ``numel`` elements of slot ``slot`` (growing it if needed)."""
@@ -117,9 +131,10 @@ class BufferPool:
         nbytes = numel * dtype.itemsize
         if key not in self._storage or self._storage[key].numel() < nbytes:
             # The smaller allocation is freed before the bigger one is made; slots grow to the
-            # largest bucket during the first backward and step, then stay.
+            # largest bucket during the first backward and step.
             self._storage.pop(key, None)
-            self._storage[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._high_water[key] = max(nbytes, self._high_water.get(key, 0))
+            self._storage[key] = torch.empty(self._high_water[key], dtype=torch.uint8, device=device)
         self._busy.add(key)
         return self._storage[key][:nbytes].view(dtype)
 
@@ -131,10 +146,22 @@ class BufferPool:
         """Bytes the pool holds now (what the bounded-memory checks read)."""
         return sum(t.numel() for t in self._storage.values())
 
+    @property
+    def high_water_bytes(self) -> int:
+        """Bytes the pool holds while a backward or a step's gathers run (0 before the first)."""
+        return sum(self._high_water.values())
+
     def clear(self) -> None:
         """Drop every slot (engine close; callers have waited for their collectives)."""
         self._storage.clear()
         self._busy.clear()
+        self._high_water.clear()
+
+    def release(self) -> None:
+        """Drop the idle slots between steps ([Note: pool between steps]). A slot still marked in
+        use (only after a failed collective) is kept: something may still write into it."""
+        for key in [key for key in self._storage if key not in self._busy]:
+            del self._storage[key]
 
 
 class ShardedParam:
@@ -429,6 +456,7 @@ class ParamGatherer:
         if not self.background:
             self._run(queue, lambda _: None)
             self._queue = []
+            self.pool.release()
         elif device.type == "cuda":
             # Everything is enqueued now, on a side stream ordered after the step; nothing here
             # blocks the host, and a read waits on the device for its bucket's event only.
@@ -496,6 +524,7 @@ class ParamGatherer:
             self._thread.join()
             self._thread = None
         self._queue, self._consumed, self._done, self._cuda_done = [], 0, [], []
+        self.pool.release()  # every gather is waited for: [Note: pool between steps]
 
     def finish(self) -> None:
         if self.pending:

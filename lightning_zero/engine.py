@@ -49,7 +49,7 @@ class ZeroConfig:
     bucket_size_mb: float | None = None
     """Gradient bucket capacity in MiB of the parameters' dtype; larger buckets mean fewer,
     bigger collectives, smaller ones start communicating earlier in backward. None: scale with
-    the world size (:func:`default_bucket_numel`)."""
+    the world size, up to a ceiling (:func:`default_bucket_numel`)."""
     overlap_communication: bool = True
     """Run reductions asynchronously while backward goes on."""
     overlap_param_gather: bool = True
@@ -97,14 +97,21 @@ DEFAULT_BUCKET_MB = 25.0
 """The bucket floor: DDP's default, fine-grained enough to overlap backward at small world sizes."""
 MIN_CHUNK_NUMEL = 1_000_000
 """Elements per rank per bucket below which a reduce-scatter/all-gather step is latency-bound."""
+MAX_DEFAULT_BUCKET_MB = 256.0
+"""The default bucket's ceiling in bytes: the pool holds ``MAX_IN_FLIGHT`` buckets during backward
+and the step's gathers, so this bounds that transient memory whatever the world size."""
 
 
 def default_bucket_numel(world_size: int, element_size: int) -> int:
-    """``max(25 MiB, 1M elements x world_size)``: each rank's chunk of a bucket stays at least 1M
-    elements however many ranks share it (Megatron: ``max(40M, 1M x dp)``), so at hundreds of
-    ranks a collective is not ``world_size`` tiny latency-bound steps. The pool's memory is
-    ``MAX_IN_FLIGHT`` such buckets."""
-    return max(int(DEFAULT_BUCKET_MB * _MB) // element_size, MIN_CHUNK_NUMEL * world_size)
+    """``max(25 MiB, min(1M elements x world_size, 256 MiB))``: each rank's chunk of a bucket stays
+    at least 1M elements (Megatron: ``max(40M, 1M x dp)``), so a collective is not ``world_size``
+    tiny latency-bound steps, until the bucket reaches 256 MiB (128 ranks in bf16, 64 in fp32).
+    Beyond, the chunk shrinks instead of the pool's ``MAX_IN_FLIGHT`` buckets growing with the world
+    (``bench/scale.py`` prints the pool per rank with and without the ceiling); a larger
+    ``bucket_size_mb`` can be set explicitly."""
+    floor = int(DEFAULT_BUCKET_MB * _MB) // element_size
+    ceiling = int(MAX_DEFAULT_BUCKET_MB * _MB) // element_size
+    return max(floor, min(MIN_CHUNK_NUMEL * world_size, ceiling))
 
 
 def _parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:

@@ -410,11 +410,13 @@ def deep_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
 
 
 def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) -> dict[str, Any]:
-    """Which buffers the collectives of backward and step write, and what the pool holds."""
+    """Which buffers the collectives of backward and step write (per step), and what the pool holds
+    while the step's gathers run and once they are finished (between steps)."""
     from lightning_zero import _collectives as comm
 
     model, engine = _deep_engine(overlap_param_gather=True, stage=stage)
     seen: dict[str, list[tuple[int, int]]] = {"gather": [], "reduce": []}
+    per_step: list[set[int]] = []  # storages the collectives wrote, per step
 
     def storage(t: torch.Tensor) -> tuple[int, int]:
         return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
@@ -426,21 +428,25 @@ def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) ->
     def all_gather(output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
         if recording[0]:
             seen["gather"].append(storage(output))
+            per_step[-1].add(storage(output)[0])
         return originals[0](output, input, *args)
 
     def all_reduce(tensor: torch.Tensor, *args: Any) -> Any:
         if recording[0]:
             seen["reduce"].append(storage(tensor))
+            per_step[-1].add(storage(tensor)[0])
         return originals[1](tensor, *args)
 
     comm.all_gather, comm.all_reduce = all_gather, all_reduce  # type: ignore[assignment]
-    pool_bytes = []
+    pool_bytes, pool_bytes_between_steps = [], []
     try:
         for step in range(steps):
             recording[0] = step > 0
+            per_step.append(set())
             _deep_step(model, engine, step, rank, world_size)
-            pool_bytes.append(engine.pool.nbytes)
-        engine.finish_param_gather()
+            pool_bytes.append(engine.pool.nbytes)  # the step's gathers may still run
+            engine.finish_param_gather()
+            pool_bytes_between_steps.append(engine.pool.nbytes)
     finally:
         comm.all_gather, comm.all_reduce, comm.reduce_scatter = originals  # type: ignore[assignment]
     itemsize = 4
@@ -449,6 +455,8 @@ def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) ->
         "gather_storages": len({ptr for ptr, _ in seen["gather"]}),
         "reduce_storages": len({ptr for ptr, _ in seen["reduce"]}),
         "all_storages": len({ptr for ptr, _ in seen["gather"] + seen["reduce"]}),
+        "storages_per_step": [len(ptrs) for ptrs in per_step[1:]],
+        "pool_bytes_between_steps": pool_bytes_between_steps,
         "gathers": len(seen["gather"]),
         "reductions": len(seen["reduce"]),
         "pool_bytes": pool_bytes,

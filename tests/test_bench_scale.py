@@ -46,3 +46,23 @@ def test_scale_bench_reports_engine_and_planning_rows(tmp_path: Path) -> None:
     assert "| 4 | 1 | 12 |" in text  # engine row: world size, blocks, tensors
     planning = [line for line in text.splitlines() if line.startswith("| 4 | 12 | 48 |")]
     assert len(planning) == 1, text  # 12 tensors x (master, exp_avg, exp_avg_sq, step) per rank
+
+
+def test_pool_rows_show_the_byte_ceiling_keeping_a_7b_pool_flat_from_256_to_1024_ranks(scale: object) -> None:
+    numels = scale.llama_7b_numels()  # type: ignore[attr-defined]
+    assert 6.7e9 < sum(numels) < 6.8e9
+    mib = 1024 * 1024
+
+    def pools(ws: int) -> tuple[int, int]:
+        old = scale.pool_bytes(numels, ws, scale.old_default_bucket_numel(ws, 2), 2)  # type: ignore[attr-defined]
+        new = scale.pool_bytes(numels, ws, scale.ZeroConfig().bucket_numel(ws, 2), 2)  # type: ignore[attr-defined]
+        return old, new
+
+    assert pools(64)[0] == pools(64)[1]  # below the ceiling nothing changed
+    old_1024, new_1024 = pools(1024)
+    assert old_1024 > 3900 * mib  # uncapped: two ~2 GiB slots
+    # Two slots; a bucket closes once it reaches the 256 MiB ceiling, so it holds less than the ceiling
+    # plus its last parameter (at most the 250 MiB embedding), flags and output row aside.
+    assert new_1024 <= 2 * (256 + 250 + 2) * mib
+    rows = scale.pool_report([8, 1024])  # type: ignore[attr-defined]
+    assert any(row.startswith("| 1024 | 1,953 | 4,036 | 256 |") for row in rows), rows
