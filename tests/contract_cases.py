@@ -506,3 +506,34 @@ def migrate_on_load(rank: int, world_size: int, root: str, mode: str, edit: str)
     trainer = make_trainer(world_size, "zero", root, mode=mode)
     trainer.validate(evaluated, loader(1, 1, world_size), ckpt_path=path, verbose=False)
     return {"error": None, "saved": saved, "own": own, "start": start.weights, "validated": _weights(evaluated)}
+
+
+def adapter_epochs(rank: int, world_size: int, root: str, mode: str, epochs: int, ckpt_path: str | None) -> Any:
+    """:class:`Adapted` (the base dropped from checkpoints in its hook) fit to ``epochs`` epochs of 2 steps at
+    this world size, saving every epoch under ``root``; the weights afterwards."""
+    as_torchrun(rank, world_size)
+    checkpoint = ModelCheckpoint(dirpath=f"{root}/adapter-epochs", filename="{epoch}", save_top_k=-1)
+    module = Adapted(drop_base=True)
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_epochs=epochs, callbacks=[checkpoint])
+    trainer.fit(module, loader(2, 1, world_size), ckpt_path=ckpt_path)
+    return _weights(module)
+
+
+def adapter_reference(world_sizes: list[int]) -> dict[str, torch.Tensor]:
+    """:class:`Adapted` in one PyTorch process: epoch ``i`` on the global batches of ``world_sizes[i]``."""
+    import torch.nn.functional as F
+    from engine_cases import global_batch
+
+    module = Adapted(drop_base=True)
+    optimizer = module.configure_optimizers()
+    for world_size in world_sizes:
+        for step in range(2):
+            x, y = global_batch(step, 0, world_size)
+            losses = []
+            for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True):
+                h = module.net(xs)
+                losses.append(F.mse_loss(h + module.adapter(h), ys))
+            optimizer.zero_grad()
+            (sum(losses) / world_size).backward()
+            optimizer.step()
+    return _weights(module)

@@ -17,7 +17,10 @@ import pytest
 import torch
 from _dist import run_distributed
 from contract_cases import (
+    Adapted,
     Backbone,
+    adapter_epochs,
+    adapter_reference,
     adapter_run,
     ema_run,
     finetuning_reference,
@@ -283,3 +286,17 @@ def test_a_hook_computes_from_a_full_checkpoint_and_is_told_why_it_cannot_from_a
     sharded = _on_ranks(migrate_on_load, str(tmp_path / "sharded"), "sharded", "compute")
     for result in sharded:
         assert result["error"] is not None and "placeholders" in result["error"] and "convert" in result["error"]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_adapter_checkpoint_saved_on_two_processes_resumes_exactly_on_three(tmp_path: Any, mode: str) -> None:
+    """The LoRA habit across world sizes: the adapters-only checkpoint of an epoch on 2 processes resumes on
+    3 (the adapters' optimizer state resharded 2 -> 3, the base from the module) and ends where one PyTorch
+    process does after the same batches."""
+    _on_ranks(adapter_epochs, str(tmp_path), mode, 1, None)
+    resumed = run_distributed(adapter_epochs, 3, str(tmp_path), mode, 2, str(tmp_path / "adapter-epochs" / "epoch=0.ckpt"),
+                              start_method="forkserver")
+    expected = adapter_reference([WORLD, 3])
+    for weights in resumed:
+        assert_close_dicts(weights, expected, "adapters resumed on 3 processes")
+    assert not torch.allclose(expected["adapter.weight"], Adapted(drop_base=True).adapter.weight)  # they trained
