@@ -14,13 +14,16 @@ CUDA-only ones print ``SKIP``; ``tests/test_gpu_check.py`` runs it that way. Che
    the once-per-step presence read ([Note: presence on the device] in buckets.py).
 3. Step memory at world size 8 (fake process group, one process): the step's peak above its start
    is at most 0.3x the parameters' bytes (CUDA: ``max_memory_allocated``; CPU: peak RSS).
-4. (CUDA) every bucket buffer and shard lives on the GPU, and the reductions use NCCL's native
+4. (CUDA) memory between steps at world size 8 (fake process group): ``memory_allocated`` after
+   the gathers and ``zero_grad`` at most 1.1x the ZeRO formula (4 + 16/N bytes an element) with no
+   pool slot held; ``memory_reserved`` between steps and a step's ``max_memory_allocated`` printed.
+5. (CUDA) every bucket buffer and shard lives on the GPU, and the reductions use NCCL's native
    reduce-scatter for both stages.
 
-5. (CUDA) checkpoint staging: an async save copies into pinned host buffers, reused by the next
+6. (CUDA) checkpoint staging: an async save copies into pinned host buffers, reused by the next
    save, on a stream other than the training stream ([Note: staging on GPUs] in checkpoint/staging.py).
-6. (CUDA) a training step with an async save in flight is at most 1.15x a step without.
-7. (CUDA) a plain ``TorchCheckpointIO`` under ZeroLowLevelStrategy on NCCL: the gather to rank 0
+7. (CUDA) a training step with an async save in flight is at most 1.15x a step without.
+8. (CUDA) a plain ``TorchCheckpointIO`` under ZeroLowLevelStrategy on NCCL: the gather to rank 0
    runs on the training group with CUDA tensors and one ordinary file comes out.
 """
 
@@ -201,7 +204,7 @@ def check_step_memory() -> str:
                         engine.finish_param_gather()
                     growth = peak.growth
                 opt.zero_grad()
-            pool = engine.pool.nbytes
+            pool = engine.pool.high_water_bytes
             buckets = len(engine.buckets)
             engine.close()
     finally:
@@ -216,6 +219,58 @@ def check_step_memory() -> str:
     return detail
 
 
+MAX_BETWEEN_STEPS_VS_FORMULA = 1.1
+
+
+def check_memory_between_steps() -> str:
+    """CUDA allocator statistics around zero2 steps at world size 8 (fake group): between steps
+    (after the gathers and ``zero_grad``) the allocated bytes against the ZeRO paper's model states
+    (4 bytes of parameter + 16/N of gradient shard, master and AdamW moments per element, fp32),
+    the pool empty ([Note: pool between steps] in buckets.py), what the caching allocator keeps
+    reserved, and the peak of a whole step above the memory between steps."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = 8
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        model = NarrowLlama(blocks=8, d=256, ff=688, heads=4).to(device())
+        numel = sum(p.numel() for p in model.parameters())
+        with filled_collectives(0, world_size):
+            engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)],
+                                ZeroConfig(stage=2, bucket_size_mb=4.0))
+            opt = engine.optimizers[0]
+            between, reserved, peak = [], [], []
+            for step in range(4):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                model(*tokens(step)).backward()
+                engine.ensure_flushed()
+                opt.step()
+                engine.finish_param_gather()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+                peak.append(torch.cuda.max_memory_allocated() - start)
+                between.append(torch.cuda.memory_allocated() - base)
+                reserved.append(torch.cuda.memory_reserved())
+            pool_between, pool_during = engine.pool.nbytes, engine.pool.high_water_bytes
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+    formula = 4 * numel + 16 * numel / world_size
+    ratio = between[-1] / formula
+    detail = (f"allocated between steps {between[-1] / 2**20:.1f} MiB = {ratio:.3f}x the formula"
+              f" {formula / 2**20:.1f} MiB (limit {MAX_BETWEEN_STEPS_VS_FORMULA}x); pool between steps"
+              f" {pool_between} B, during a step {pool_during / 2**20:.1f} MiB; memory_reserved between steps"
+              f" {reserved[-1] / 2**20:.1f} MiB (steps: {', '.join(f'{r / 2**20:.0f}' for r in reserved)});"
+              f" a step's max_memory_allocated above its start {peak[-1] / 2**20:.1f} MiB")
+    if ratio > MAX_BETWEEN_STEPS_VS_FORMULA or pool_between:
+        raise CheckFailed(detail)
+    return detail
+
+
 def check_device_placement() -> str:
     init_one_rank("nccl")
     try:
@@ -224,10 +279,10 @@ def check_device_placement() -> str:
             engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters())], ZeroConfig(stage=stage))
             model(*tokens(0)).backward()
             engine.ensure_flushed()
+            slots = list(engine.pool._storage.values())  # held from backward until the step's gathers end
             engine.optimizers[0].step()
             engine.finish_param_gather()
-            tensors = [t for b in engine.buckets for t in (b.master_shard, b.grad_shard, b.present_count)]
-            tensors += [t for (_, t) in engine.pool._storage.items()]
+            tensors = [t for b in engine.buckets for t in (b.master_shard, b.grad_shard, b.present_count)] + slots
             off = [str(t.device) for t in tensors if t.device.type != "cuda"]
             if off or not engine.reducer.reduce_scatter:
                 raise CheckFailed(f"stage {stage}: tensors on {off}; reduce_scatter={engine.reducer.reduce_scatter}")
@@ -358,6 +413,8 @@ CHECKS: list[tuple[str, bool, Callable[[], str]]] = [
     ("zero2 equals plain PyTorch at world size 1 (fp32, bf16-true)", False, check_equivalence),
     ("no host sync in forward/backward, one in the step", True, check_no_host_sync),
     ("step peak memory <= 0.3x parameter bytes at world size 8 (fake group)", False, check_step_memory),
+    ("memory between steps <= 1.1x the ZeRO formula, no pool held (CUDA allocator)", True,
+     check_memory_between_steps),
     ("buffers on the GPU, native reduce-scatter on NCCL", True, check_device_placement),
     ("checkpoint staging: pinned, reused host buffers on a side stream", True, check_staging_pinned),
     ("a training step with an async save in flight <= 1.15x a step without", True, check_step_with_save_in_flight),
