@@ -77,6 +77,9 @@ class Method:
             opt.step()
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
+        if self.engine is not None:
+            # The step's overlapped gathers are part of this method's time, not the next method's.
+            self.engine.finish_param_gather()
         return loss.item()
 
     def state_bytes(self) -> int:
