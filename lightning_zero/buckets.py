@@ -332,7 +332,8 @@ class GradBucket:
         else:
             work = comm.all_reduce(buffer, group, async_op)
             output = buffer[self.rank]
-        self.pending = _PendingReduce(work, output, slot, replica_group, async_op)
+        self.pending = _PendingReduce(work, output, slot, replica_group, async_op,
+                                      rows=None if reduce_scatter else buffer)
 
     def advance_reduce(self) -> None:
         """Hybrid only: once the shard group's hop is done, start the replica group's all-reduce of
@@ -345,8 +346,10 @@ class GradBucket:
         pending.work = comm.all_reduce(pending.output, pending.replica_group, pending.async_op)
         pending.replica_group = None
 
-    def finish_reduce(self, pool: BufferPool) -> None:
-        """Wait for the reduction, add it to the fp32 shard gradient and the presence counts."""
+    def finish_reduce(self, pool: BufferPool, full_gradients: bool = False) -> None:
+        """Wait for the reduction, add it to the fp32 shard gradient and the presence counts.
+        ``full_gradients`` (stage 1, all-reduced): every parameter's ``.grad`` also gets the whole averaged
+        gradient, as under DDP (``finish_backward`` drops it again where no rank produced a gradient)."""
         self.advance_reduce()
         assert self.pending is not None
         pending, self.pending = self.pending, None
@@ -354,6 +357,12 @@ class GradBucket:
         scale = 1.0 if self.predivide or self.average_over == 1 else 1.0 / self.average_over
         self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
         self.present_count.add_(pending.output[self.row_numel :])
+        if full_gradients:
+            assert pending.rows is not None, "full gradients need the all-reduced rows"
+            for sp in self.params:
+                grad = torch.empty_like(sp.param)
+                comm.copy_rows_to_flat(grad.view(-1), sp.rows(pending.rows), sp.layout)
+                sp.param.grad = grad.mul_(scale) if scale != 1.0 else grad
         pool.give_back(pending.slot, self.device)  # the full-size buffer is free from here
 
     # ---- parameter all-gather ----------------------------------------------------------
@@ -388,6 +397,7 @@ class _PendingReduce:
     slot: int
     replica_group: dist.ProcessGroup | None = None  # hybrid: the hop still to launch (None once launched)
     async_op: bool = True
+    rows: Tensor | None = None  # [world_size, reduce_numel]: every row, when all-reduced (full gradients)
 
 
 @dataclass
@@ -537,15 +547,17 @@ class GradReducer:
     def __init__(self, buckets: Sequence[GradBucket], stage: int, group: dist.ProcessGroup | None,
                  overlap_communication: bool, pool: BufferPool,
                  before_first_reduction: Callable[[], None] = lambda: None,
-                 replica_group: dist.ProcessGroup | None = None) -> None:
+                 replica_group: dist.ProcessGroup | None = None, full_gradients: bool = False) -> None:
         self.buckets = [b for b in buckets if b.communicates]
+        self.full_gradients = full_gradients  # stage 1: whole averaged gradients in param.grad too
         self.stage = stage
         self.group = group  # the shard group
         self.replica_group = replica_group  # hybrid only: see [Note: hybrid reduction]
         self.async_op = overlap_communication
         self.pool = pool
         self.before_first_reduction = before_first_reduction  # finishes pending parameter gathers
-        self.reduce_scatter = comm.has_native_reduce_scatter(group)
+        # Full gradients need every rank's row: all-reduce then, also where reduce-scatter is native.
+        self.reduce_scatter = comm.has_native_reduce_scatter(group) and not full_gradients
         # One presence vector per device; each bucket's flags are a view ([Note: presence on the device]).
         by_device: dict[torch.device, list[GradBucket]] = {}
         for bucket in self.buckets:
@@ -623,7 +635,7 @@ class GradReducer:
             self.buckets[self._next_launch - 2].advance_reduce()
 
     def _finish_next(self) -> None:
-        self.buckets[self._next_finish].finish_reduce(self.pool)
+        self.buckets[self._next_finish].finish_reduce(self.pool, self.full_gradients)
         self._next_finish += 1
 
     def finish_backward(self) -> None:
@@ -645,6 +657,14 @@ class GradReducer:
         self._next_launch = 0
         self._next_finish = 0
         self._flushed = True
+        if self.full_gradients:
+            # As under DDP, a parameter no rank produced a gradient for has none: the presence is read
+            # now (the step's one device-to-host read, earlier), before hooks read ``.grad``.
+            self.resolve_presence()
+            for bucket in self.buckets:
+                for sp in bucket.params:
+                    if not sp.has_grad:
+                        sp.param.grad = None
 
     def resolve_presence(self) -> None:
         """Read the reduced presence counts (one device-to-host copy per device, at most once per

@@ -74,8 +74,23 @@ class ZeroConfig:
     master and state, about 12 bytes an element) by stepping the parameters a group at a time. None:
     all at once. Declared shape-aware optimizers are always stepped at once."""
 
+    full_gradients: bool = False
+    """Stage 1 only: after each step's reduction every parameter's ``.grad`` also holds the whole averaged
+    gradient, as under DDP, for hooks and callbacks that read it (Lightning's ``grad_norm``, a custom
+    ``configure_gradient_clipping``). The reduction is then an all-reduce, also where a native
+    reduce-scatter exists (twice the bytes on NCCL), and the whole gradients stay until ``zero_grad``
+    (DDP's memory for them). Stage 2 cannot keep them (its point is not to); both stages offer the
+    norms (``ZeroEngine.grad_norms``) and clipping on the shards."""
+
     def __post_init__(self) -> None:
         validate_stage(self.stage)
+        if self.full_gradients and self.stage != 1:
+            raise ValueError("full_gradients=True keeps whole gradients in param.grad, which only stage 1 holds;"
+                             " stage 2 frees them bucket by bucket (that is its memory saving). Use stage=1, or read"
+                             " gradient norms with ZeroLowLevelStrategy.grad_norm.")
+        if self.full_gradients and self.shard_group_size is not None:
+            raise ValueError("full_gradients=True is not supported with hybrid sharding (shard_group_size):"
+                             " the shard group's rows are not the whole world's average until the replica hop.")
         if self.shard_group_size is not None:
             check_shard_group_size(self.shard_group_size)
         if self.whole_step_group_mb is not None and not self.whole_step_group_mb > 0:
@@ -192,7 +207,7 @@ class ZeroEngine:
                                       background=config.overlap_param_gather and self.shard_size > 1)
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
                                    self.pool, before_first_reduction=self.finish_param_gather,
-                                   replica_group=self.replica_group)
+                                   replica_group=self.replica_group, full_gradients=config.full_gradients)
         if self.optimizers:
             for zero_opt in self.optimizers:
                 zero_opt.bind([self.sharded_params[p] for g in zero_opt.param_groups for p in g["params"]],

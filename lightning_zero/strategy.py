@@ -68,6 +68,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             stopping, skips that step's update on every rank with a warning (the weights and the
             optimizer state stay as they were; the LR scheduler still steps); ``"ignore"`` (default)
             adds nothing to the step.
+        full_gradients: stage 1 only: every parameter's ``.grad`` holds the whole averaged gradient after
+            backward, as under DDP, for hooks that read it (``ZeroConfig.full_gradients``: an all-reduce,
+            and the gradients kept until ``zero_grad``).
         whole_step_group_mb: shape-aware optimizers (Muon, Adafactor) step whole matrices gathered from the
             shards a group of at most this many MiB at a time (``ZeroConfig.whole_step_group_mb``; None: all at
             once). README, "Optimizers".
@@ -101,12 +104,14 @@ class ZeroLowLevelStrategy(DDPStrategy):
         nonfinite_loss: Literal["ignore", "raise", "skip"] = "ignore",
         exclude_frozen_parameters: bool = False,
         whole_step_group_mb: float | None = 1024.0,
+        full_gradients: bool = False,
     ) -> None:
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
-                                      shard_group_size, whole_step_group_mb=whole_step_group_mb)
+                                      shard_group_size, whole_step_group_mb=whole_step_group_mb,
+                                      full_gradients=full_gradients)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -20,13 +20,14 @@ from lightning_zero.checkpoint import ZeroCheckpointIO, read_lightning_checkpoin
 
 
 def make_trainer(world_size: int, strategy: str, root: str, *, mode: str = "sharded", max_steps: int = 4,
-                 max_epochs: int | None = None, callbacks: list[Callback] | None = None, stage: int = 2) -> Trainer:
+                 max_epochs: int | None = None, callbacks: list[Callback] | None = None, stage: int = 2,
+                 **zero_options: Any) -> Trainer:
     """``strategy``: "ddp" (the reference) or "zero" (ZeroLowLevelStrategy with ZeroCheckpointIO(mode))."""
     if strategy == "ddp":
         chosen: Any = DDPStrategy(find_unused_parameters=True)
         plugins: list[Any] = []
     else:
-        chosen = ZeroLowLevelStrategy(stage=stage, bucket_size_mb=0.0005)  # type: ignore[arg-type]
+        chosen = ZeroLowLevelStrategy(stage=stage, bucket_size_mb=0.0005, **zero_options)  # type: ignore[arg-type]
         plugins = [ZeroCheckpointIO(mode=mode)]  # type: ignore[arg-type]
     callbacks = callbacks or []
     return Trainer(
@@ -391,13 +392,17 @@ class GradNorms(Callback):
         self.steps.append(ours(2) if ours is not None else self.lightning[-1])
 
 
-def gradient_norms(rank: int, world_size: int, root: str, strategy: str, stage: int) -> dict[str, Any]:
+def gradient_norms(rank: int, world_size: int, root: str, strategy: str, stage: int,
+                   full_gradients: bool = False) -> dict[str, Any]:
     as_torchrun(rank, world_size)
     probe = GradNorms()
-    trainer = make_trainer(world_size, strategy, root, max_steps=3, callbacks=[probe], stage=stage)
-    trainer.fit(EvalNet(), loader(3, 1, world_size))
+    options = {"full_gradients": True} if full_gradients else {}
+    trainer = make_trainer(world_size, strategy, root, max_steps=3, callbacks=[probe], stage=stage, **options)
+    module = EvalNet()
+    trainer.fit(module, loader(3, 1, world_size))
     return {"norms": [{k: float(v) for k, v in step.items()} for step in probe.steps],
-            "lightning": [{k: float(v) for k, v in step.items()} for step in probe.lightning]}
+            "lightning": [{k: float(v) for k, v in step.items()} for step in probe.lightning],
+            "weights": _weights(module)}
 
 
 class SWAWithLambda(EvalNet):

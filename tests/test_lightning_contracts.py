@@ -300,3 +300,16 @@ def test_adapter_checkpoint_saved_on_two_processes_resumes_exactly_on_three(tmp_
     for weights in resumed:
         assert_close_dicts(weights, expected, "adapters resumed on 3 processes")
     assert not torch.allclose(expected["adapter.weight"], Adapted(drop_base=True).adapter.weight)  # they trained
+
+
+def test_stage_1_with_full_gradients_shows_param_grad_as_ddp(tmp_path: Any) -> None:
+    """ZeroLowLevelStrategy(stage=1, full_gradients=True): param.grad holds the averaged whole gradient
+    after backward, so Lightning's own grad_norm (and anything reading .grad) sees ddp's figures."""
+    ddp = _on_ranks(gradient_norms, str(tmp_path), "ddp", 1)
+    zero = _on_ranks(gradient_norms, str(tmp_path), "zero", 1, True)
+    for rank in range(WORLD):
+        for ours, theirs in zip(zero[rank]["lightning"], ddp[rank]["lightning"], strict=True):
+            assert ours.keys() == theirs.keys() and len(ours) > 2
+            for key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+        assert_close_dicts(zero[rank]["weights"], ddp[rank]["weights"], "weights")
