@@ -83,7 +83,7 @@ def test_weights_written_during_training_reach_the_update_as_under_ddp(tmp_path:
     assert_close_dicts(zero[0]["saved"], ddp[0]["saved"], "checkpoint after fit")
 
 
-@pytest.mark.parametrize("mode", ["sharded", "full"])
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
 def test_stochastic_weight_averaging_saves_the_averaged_weights_as_under_ddp(tmp_path: Any, mode: str) -> None:
     ddp = _on_ranks(swa_run, str(tmp_path), "ddp", "full")[0]
     zero = _on_ranks(swa_run, str(tmp_path), "zero", mode)[0]
@@ -148,7 +148,7 @@ def test_model_checkpoint_version_names_are_unique_under_async_saves(tmp_path: A
     assert sorted(zero["steps"].values()) == sorted(ddp["steps"].values()) == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("mode", ["sharded", "full"])
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
 def test_ema_checkpoints_hold_the_average_and_resume_as_under_ddp(tmp_path: Any, mode: str) -> None:
     ddp = _on_ranks(ema_run, str(tmp_path), "ddp", "full")[0]
     zero = _on_ranks(ema_run, str(tmp_path), "zero", mode)[0]
@@ -169,7 +169,7 @@ def test_adapter_checkpoints_leave_the_frozen_base_out_and_resume_exactly(tmp_pa
     assert_close_dicts(result["resumed"], result["uninterrupted"], "resumed = uninterrupted", atol=0.0)
 
 
-@pytest.mark.parametrize("mode", ["sharded", "full"])
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
 def test_strict_loading_decides_whether_weights_the_checkpoint_lacks_are_an_error(tmp_path: Any, mode: str) -> None:
     strict = _on_ranks(new_head_resume, str(tmp_path / "strict"), mode, True)
     assert all(r["error"] is not None and "extra.weight" in r["error"] and "strict_loading" in r["error"]
@@ -220,7 +220,7 @@ def test_gradient_norms_for_logging_equal_ddp_s(tmp_path: Any, stage: int) -> No
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.parametrize("mode", ["sharded", "full"])
+@pytest.mark.parametrize("mode", ["sharded", "local", "full"])
 def test_swa_with_a_custom_scheduler_resumes_as_under_ddp(tmp_path: Any, mode: str) -> None:
     """callbacks/test_stochastic_weight_avg.py::test_swa_resume_training_from_checkpoint_custom_scheduler:
     SWA restores its scheduler in on_fit_start, so the callbacks' state must be back before it (it used
