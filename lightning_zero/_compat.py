@@ -62,7 +62,7 @@ def require_supported_versions(torch_version: str | None = None, lightning_versi
 
 require_supported_versions()
 
-# Lightning: private names imported by the strategy (all of Lightning 2.0 to 2.6).
+# Lightning: private names imported by the strategy (Lightning 2.5 and 2.6 have them: tested).
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry  # noqa: E402
 from lightning.pytorch.core.optimizer import _MockOptimizer as MockOptimizer  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states  # noqa: E402
@@ -130,14 +130,14 @@ def device_types(group: Any) -> list[str]:
 
 def process_group_timeout(device: str) -> timedelta:
     """The default group's timeout for its ``device`` backend: ``ProcessGroup._get_backend(device)
-    .options._timeout`` (torch 2.2 and later). Raises when the group has no backend for ``device``."""
+    .options._timeout`` (torch 2.13 and 2.14 tested). Raises when the group has no backend for ``device``."""
     import torch.distributed as dist
 
     return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
 
 
 def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``: ``torch._utils._element_size`` (every torch 2.x)."""
+    """Bytes per element of ``dtype``: ``torch._utils._element_size`` (torch 2.13 and 2.14 tested)."""
     return int(torch._utils._element_size(dtype))
 
 
@@ -145,7 +145,7 @@ def element_size(dtype: torch.dtype) -> int:
 
 def lightning_loader() -> Any:
     """``lightning.pytorch.core.saving.pl_load``: the module attribute ``load_from_checkpoint`` opens
-    files with (Lightning's ``cloud_io._load``; every Lightning 2.x). Its ``weights_only`` default is
+    files with (Lightning's ``cloud_io._load``; Lightning 2.5 and 2.6). Its ``weights_only`` default is
     ``False`` before Lightning 2.6 and ``None`` (torch's default) from 2.6."""
     from lightning.pytorch.core import saving
 
