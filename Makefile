@@ -42,6 +42,16 @@ bench: install
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/write_loop.py
 
+# DeepSpeed ZeRO-1/2 as rows of bench/engine.py, on its CPU accelerator with no prebuilt ops. Installed
+# into a folder of its own (not the venv, not the test extras), with the few pure-Python packages it
+# imports that the venv lacks; at start it JIT-builds its shared-memory op with the system's g++.
+.PHONY: bench-peers
+PEERS_DIR ?= .bench-peers
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+bench-peers: install
+	DS_BUILD_OPS=0 $(PIP) install -q --target $(PEERS_DIR) --no-deps "$(DEEPSPEED_SPEC)" hjson py-cpuinfo ninja msgpack einops
+	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/engine.py --peers --methods ddp zero1 zero2 deepspeed_zero1 deepspeed_zero2
+
 lint: install
 	$(VENV)/bin/ruff check .
 

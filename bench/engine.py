@@ -76,11 +76,11 @@ HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
 """ZeRO-2 sharded within groups of 2 ranks, replicated across them (``shard_group_size=2``)."""
 
 
-def methods_for(world_size: int, selected: Sequence[str] = ()) -> tuple[str, ...]:
+def methods_for(world_size: int, selected: Sequence[str] = (), peers: bool = False) -> tuple[str, ...]:
     """The hybrid row only where it differs from flat zero2: 2+ shard groups of 2 (world size 4: 2 x 2).
-    ``selected``: only these (all when empty)."""
+    ``selected``: only these (all when empty); ``peers``: with DeepSpeed's rows."""
     hybrid = world_size > HYBRID_SHARD_GROUP_SIZE and world_size % HYBRID_SHARD_GROUP_SIZE == 0
-    names = METHODS + ((HYBRID,) if hybrid else ())
+    names = METHODS + ((HYBRID,) if hybrid else ()) + (PEERS if peers else ())
     return tuple(n for n in names if not selected or n in selected)
 PHASES = ("forward", "backward", "step", "zero_grad", "drain")
 """Per step; *drain*: finishing, at the end of a turn, what the turn's steps left running."""
@@ -176,6 +176,8 @@ class BenchSettings:
     """Our engine's bucket capacity (25: its floor, DDP's default)."""
     methods: tuple[str, ...] = ()
     """The methods to run (DDP always among them); empty: all."""
+    peers: bool = False
+    """Add DeepSpeed ZeRO-1/2 (installed by ``make bench-peers``)."""
     lr: float = 1e-3
     weight_decay: float = 0.1
     seed: int = 1234
@@ -221,6 +223,16 @@ class Method:
 
     def flush(self) -> None:
         """Called right after ``backward`` (our engine's reductions are waited for here)."""
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+        self.flush()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def finish(self) -> None:
         """Complete work the steps left running (our overlapped gathers): at the end of each timed
@@ -346,6 +358,56 @@ class FSDPMethod(Method):
         super().__init__(fsdp, AdamW(fsdp.parameters(), lr=settings.lr, weight_decay=settings.weight_decay))
 
 
+PEERS = ("deepspeed_zero1", "deepspeed_zero2")
+"""Optional rows (``--peers``, ``make bench-peers``): DeepSpeed ZeRO-1/2 on its CPU accelerator."""
+
+
+class DeepSpeedMethod(Method):
+    """DeepSpeed ZeRO-1/2 (``DS_ACCELERATOR=cpu``), the same AdamW and bucket size as our engine."""
+
+    keeps_fp32_master = True
+
+    def __init__(self, model: GPT, settings: BenchSettings, stage: int) -> None:
+        import os
+
+        import deepspeed
+
+        self.name = f"deepspeed_zero{stage}"
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks for it; one node
+        deepspeed.init_distributed(dist_backend=BACKEND)  # adopts the process group already set up
+        bucket_numel = int(settings.bucket_size_mb * MIB) // 4
+        config = {
+            "train_micro_batch_size_per_gpu": settings.batch_size, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_numel,
+                                  "allgather_bucket_size": bucket_numel, "overlap_comm": True,
+                                  "contiguous_gradients": True},
+        }
+        inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        self.engine, self.zero, _, _ = deepspeed.initialize(model=model, optimizer=inner, config=config)
+        super().__init__(self.engine, inner)
+
+    def backward(self, loss: Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        pass  # the engine's step zeroes its gradients
+
+    def _partitions(self) -> list[Tensor]:
+        return list(self.zero.single_partition_of_fp32_groups)
+
+    def master_bytes(self) -> int:
+        return tensor_bytes(self._partitions())
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.zero.optimizer) + self.master_bytes()
+
+    def shard_numel(self) -> int:
+        return sum(t.numel() for t in self._partitions())
+
+
 def build_method(name: str, settings: BenchSettings) -> Method:
     model = build_model(settings.model, settings.seed)
     builders: dict[str, Callable[[], Method]] = {
@@ -355,6 +417,8 @@ def build_method(name: str, settings: BenchSettings) -> Method:
         HYBRID: lambda: ZeroMethod(model, settings, stage=2, shard_group_size=HYBRID_SHARD_GROUP_SIZE),
         "ddp+zero_redundancy": lambda: ZeroRedundancyMethod(model, settings),
         "fsdp_shard_grad_op": lambda: FSDPMethod(model, settings),
+        "deepspeed_zero1": lambda: DeepSpeedMethod(model, settings, stage=1),
+        "deepspeed_zero2": lambda: DeepSpeedMethod(model, settings, stage=2),
     }
     return builders[name]()
 
@@ -433,12 +497,11 @@ def train_step(method: Method, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, li
     marks = [time.perf_counter()]
     loss = method.module(*batch)
     marks.append(time.perf_counter())
-    loss.backward()
-    method.flush()
+    method.backward(loss)
     marks.append(time.perf_counter())
-    method.optimizer.step()
+    method.step()
     marks.append(time.perf_counter())
-    method.optimizer.zero_grad(set_to_none=True)
+    method.zero_grad()
     marks.append(time.perf_counter())
     return loss.detach(), [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
 
@@ -483,17 +546,16 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
         loss = method.module(*batch)
     peaks["forward"] = peak.growth
     with PeakRSS() as peak:
-        loss.backward()
-        method.flush()
+        method.backward(loss)
     peaks["backward"] = peak.growth
     grad_bytes = method.grad_bytes()
     with PeakRSS() as peak:
-        method.optimizer.step()
+        method.step()
         method.finish()  # an overlapped gather is billed to the step that launched it
     peaks["step"] = peak.growth
     peaks["gather"] = method.gather_peak()
     state_bytes, master_bytes, shard_numel = method.state_bytes(), method.master_bytes(), method.shard_numel()
-    method.optimizer.zero_grad(set_to_none=True)
+    method.zero_grad()
     loss_sum = loss.detach().clone()
     dist.all_reduce(loss_sum)
     phase_medians = timings[:, 1:].median(dim=0).values.tolist()
@@ -524,7 +586,11 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     batches = make_batches(settings, rank, rounds * turn + 1)
     methods: dict[str, Method] = {}
     resident: dict[str, int] = {}
-    names = methods_for(world_size, settings.methods)
+    names = methods_for(world_size, settings.methods, settings.peers)
+    if settings.peers:
+        import deepspeed  # its import and communication setup are not any method's resident memory
+
+        deepspeed.init_distributed(dist_backend=BACKEND)
     for name in names:
         # What a method keeps resident: its model, gradients, optimizer state and buffers after
         # one step (the first warm-up step), as RSS growth in a process where the methods built
@@ -587,11 +653,14 @@ MODEL_STATE_FORMULA = {
     "zero2": (4, 4 + 8 + 4),  # P_os+g
     "fsdp_shard_grad_op": (4, 4 + 8),  # P_os+g (full parameters only from forward to backward)
     HYBRID: (4, 4 + 8 + 4),  # zero2's, divided over the shard group only (see formula_bytes)
+    "deepspeed_zero1": (4 + 4, 8 + 4),  # as zero1: DeepSpeed keeps an fp32 partition too
+    "deepspeed_zero2": (4, 4 + 8 + 4),
 }
 FORMULA_TEXT = {
     "ddp": "(4+4+8)Ψ", "ddp+zero_redundancy": "(4+4)Ψ + 8Ψ/N", "zero1": "(4+4)Ψ + 12Ψ/N",
     "zero2": "4Ψ + 16Ψ/N", "fsdp_shard_grad_op": "4Ψ + 12Ψ/N",
     HYBRID: f"4Ψ + 16Ψ/{HYBRID_SHARD_GROUP_SIZE}",
+    "deepspeed_zero1": "(4+4)Ψ + 12Ψ/N", "deepspeed_zero2": "4Ψ + 16Ψ/N",
 }
 
 
@@ -905,7 +974,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"zero1/zero2 bucket capacity (default {FULL.bucket_size_mb})")
     parser.add_argument("--steps-per-turn", type=int, default=None,
                         help=f"consecutive steps of one method per turn (default {FULL.steps_per_turn})")
-    parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID), default=None,
+    parser.add_argument("--peers", action="store_true",
+                        help="add DeepSpeed ZeRO-1/2 rows (DS_ACCELERATOR=cpu; see make bench-peers)")
+    parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID, *PEERS), default=None,
                         help="run only these (ddp is always added: the ratios are to it)")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
     args = parser.parse_args(argv)
@@ -943,6 +1014,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = dataclasses.replace(settings, steps_per_turn=args.steps_per_turn)
     if args.methods:
         settings = dataclasses.replace(settings, methods=tuple(args.methods))
+    if args.peers or any(m in PEERS for m in args.methods or ()):
+        settings = dataclasses.replace(settings, peers=True)
     command = " ".join([".venv/bin/python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
     results: list[MethodResult] = []
@@ -951,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loads: list[str] = []
     for ws in args.world_sizes:
         loads.append(load_average())
-        print(f"world size {ws}: {len(methods_for(ws, settings.methods))} methods, {settings.timed_rounds} timed"
+        print(f"world size {ws}: {len(methods_for(ws, settings.methods, settings.peers))} methods, {settings.timed_rounds} timed"
               f" rounds of {settings.steps_per_turn} steps", flush=True)
         world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
         by_name = {r.method: r for r in world}

@@ -64,3 +64,11 @@ def test_engine_bench_smoke_run_passes_the_turn_boundary_check(tmp_path: Path) -
     assert "- PASS: ws=2: every method's turns ended with all its work done" in text, text
     assert "| 2 | zero2 |" in text and "| 2 | ddp |" in text
     assert "drain ms" in text
+
+
+def test_deepspeed_rows_are_optional() -> None:
+    # DeepSpeed is not a test dependency: its rows run only when asked for (make bench-peers).
+    bench = _bench_module()
+    assert not set(bench.PEERS) & set(bench.methods_for(4))
+    assert set(bench.PEERS) <= set(bench.methods_for(4, peers=True))
+    assert bench.methods_for(2, ("ddp", "zero2"), peers=True) == ("ddp", "zero2")
