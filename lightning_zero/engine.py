@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
@@ -362,9 +363,7 @@ class ZeroEngine:
     def grad_scaler(self, init_scale: float = 2.0**16, **kwargs: float) -> torch.amp.GradScaler:
         """A dynamic loss scaler for fp16 whose inf/NaN check is all-reduced over this engine's
         ranks, so all ranks skip a step together and back off the scale together."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device=self.device.type, init_scale=init_scale, process_group=self.group, **kwargs)
+        return ShardScaler(device=self.device.type, init_scale=init_scale, process_group=self.group, **kwargs)
 
     def close(self) -> None:
         """Finish pending gathers, remove every hook and free the communication buffers."""
@@ -391,6 +390,19 @@ class ZeroEngine:
         # Nothing communicates on them any more: the engine keeps its state for a save after fit.
         self.gather_group = self.shard_group = self.replica_group = self.group
         self.gatherer.group = self.group
+
+
+class ShardScaler(ShardedGradScaler):
+    """FSDP's sharded loss scaler, unscaling the gradients a :class:`ZeroOptimizer` steps: its master shards.
+
+    A scaler finds the gradients through ``optimizer.param_groups``, which show the module's parameters
+    ([Note: wrapping the user's optimizer] in optimizer.py), whose ``.grad`` the engine does not keep;
+    for the unscale (and its inf/NaN check) the masters are in the groups."""
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        swap = getattr(optimizer, "masters_in_groups", None)
+        with swap() if swap is not None else contextlib.nullcontext():
+            super().unscale_(optimizer)
 
 
 def _optimized_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[tuple[str, nn.Parameter]]:
