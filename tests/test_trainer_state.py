@@ -91,3 +91,32 @@ def test_functional_resume_restores_a_fresh_engine_in_one_call(tmp_path: Path, m
         for name, value in result["uninterrupted"].items():
             assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name}"
     assert os.listdir(tmp_path)
+
+
+def test_a_full_tree_is_a_snapshot_of_what_the_fence_does_not_hold() -> None:
+    """A ``full`` save is written in the background while training goes on; only the parameters are held
+    still until staged. A callback's averaged weights (SWA, EMA) and hook-added tensors change in place
+    after the save was queued: the tree must hold their values at the save (a resumed SWA run once
+    differed from DDP's because the averages of a later epoch reached the file)."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    from lightning_zero.checkpoint.trainer import build_tree
+
+    module = torch.nn.Linear(3, 2)
+    average = torch.ones(2, 3)
+    added = torch.zeros(2)
+    checkpoint = {
+        "state_dict": {**module.state_dict(), "ema.weight": added},
+        "callbacks": {"StochasticWeightAveraging": {"average_model_state": {"weight": average}, "n_averaged": 2}},
+        "hyper_parameters": AttributeDict(lr=0.1),
+        "global_step": 4,
+    }
+    tree = build_tree(checkpoint, module, None, "full")
+    average.add_(1.0)
+    added.add_(1.0)
+    saved_average = tree["callbacks"]["StochasticWeightAveraging"]["average_model_state"]["weight"]
+    assert torch.equal(saved_average, torch.ones(2, 3))
+    assert torch.equal(tree["state_dict"]["ema.weight"], torch.zeros(2))
+    assert isinstance(tree["hyper_parameters"], AttributeDict) and tree["hyper_parameters"].lr == 0.1
+    # The module's parameters are the fenced state: the tree holds them themselves, no copy.
+    assert tree["state_dict"]["weight"].data_ptr() == module.weight.data_ptr()

@@ -39,7 +39,7 @@ from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.tree import check_same_keys, tensor_paths
+from lightning_zero.checkpoint.tree import check_same_keys, snapshot, tensor_paths
 from lightning_zero.engine import ZeroEngine
 
 TREE_TAG = "lightning_zero"
@@ -66,9 +66,14 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
     # save made outside fit restores them as under DDP.
     with_optimizer = engine is not None and "optimizer_states" in checkpoint  # absent for save_weights_only
     if mode == "full":
-        buffers = {name for name, _ in module.named_buffers()}
-        state_dict = {k: v.clone() if k in buffers else v for k, v in checkpoint["state_dict"].items()}
-        tree: dict[str, Any] = {**trainer_state, "state_dict": state_dict, META_KEY: meta}
+        # The file is written in the background: only the parameters are held still until staged (the
+        # optimizer's fence), so everything else is copied now, buffers and hook-added tensors
+        # included, and the callbacks' state (SWA's and EMA's averages change in place).
+        fenced = {_storage_key(p) for _, p in (engine.named_parameters() if engine is not None
+                                               else module.named_parameters())}
+        state_dict = {k: v if isinstance(v, Tensor) and _storage_key(v) in fenced else snapshot(v)
+                      for k, v in checkpoint["state_dict"].items()}
+        tree: dict[str, Any] = {**snapshot(trainer_state), "state_dict": state_dict, META_KEY: meta}
         if engine is not None:
             # Masters only where the checkpoint holds the parameter itself (a hook may have replaced it).
             kept = {_storage_key(v) for v in state_dict.values() if isinstance(v, Tensor)}
