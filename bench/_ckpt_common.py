@@ -33,7 +33,7 @@ now = time.monotonic  # CLOCK_MONOTONIC: comparable across the processes of one 
 def write_raw(path: str, nbytes: int, chunk: memoryview, writeback: bool = False) -> tuple[float, float]:
     """Sequential large writes then fsync; returns (start, end) on the monotonic clock. With
     ``writeback``, through the checkpoint writers' ``WritebackStream`` ([Note: early writeback])."""
-    from lightning_zero.checkpoint.storage import WritebackStream
+    from lightning_zero.checkpoint.writeback import WritebackStream
 
     start = now()
     with open(path, "wb", buffering=0) as raw:

@@ -79,8 +79,8 @@ from lightning_zero.checkpoint import (
     save,
     wait_for_staging,
 )
-from lightning_zero.checkpoint import saver as ckpt_saver
 from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint.team import set_up_coordination
 from lightning_zero.checkpoint.tree import is_tensor_leaf, map_leaves, walk
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
@@ -424,7 +424,7 @@ def world_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     trainer = build_trainer(settings, rank)
-    ckpt_saver.prepare()  # as ZeroLowLevelStrategy.setup: the coordination group and the device mesh
+    set_up_coordination()  # as ZeroLowLevelStrategy.setup: the coordination group and the device mesh
     trainer.forward_backward()
     trainer.optimizer_step()  # AdamW builds its moments on the first step
     tree = trainer.tree()
@@ -492,7 +492,7 @@ def integrity_run(rank: int, world_size: int, settings: Settings) -> dict[str, A
     from lightning_zero.checkpoint import integrity
 
     trainer = build_trainer(settings, rank)
-    ckpt_saver.prepare()
+    set_up_coordination()
     trainer.forward_backward()
     trainer.optimizer_step()
     tree = trainer.tree()
@@ -563,7 +563,7 @@ def reshard_run(rank: int, world_size: int, settings: Settings, path: str,
     """Load the 2-rank ``sharded`` checkpoint at another world size and check every byte; as a
     control, save the same state at this world size and load that (no resharding)."""
     trainer = build_trainer(settings, rank)
-    ckpt_saver.prepare()
+    set_up_coordination()
     for opt in trainer.engine.optimizers:
         ckpt_state.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
     tree = trainer.tree(for_load=True)

@@ -313,6 +313,7 @@ def check_staging_pinned() -> str:
     import tempfile
 
     from lightning_zero.checkpoint import maybe_finalize_async_calls, saver, wait_for_staging, zero_state_dict
+    from lightning_zero.checkpoint.scheduler import checkpointer
 
     init_one_rank("nccl")
     try:
@@ -322,14 +323,14 @@ def check_staging_pinned() -> str:
                 saver.async_save(zero_state_dict(engine, model), f"{root}/s{index}.ckpt", mode="local")
                 wait_for_staging()
                 maybe_finalize_async_calls(blocking=True)
-                buffers = saver._STAGER.host_buffers()
+                buffers = checkpointer().stager.host_buffers()
                 if index == 0:
                     first = {id(b) for b in buffers}
         if not buffers or not all(b.is_pinned() for b in buffers):
             raise CheckFailed(f"{sum(not b.is_pinned() for b in buffers)}/{len(buffers)} staging buffers not pinned")
         if {id(b) for b in buffers} != first:
             raise CheckFailed("the second save allocated new host buffers instead of reusing the first save's")
-        streams = list(saver._STAGER._streams.values())
+        streams = list(checkpointer().stager._streams.values())
         if not streams or any(s == torch.cuda.default_stream(device()) for s in streams):
             raise CheckFailed("staging ran on the training (default) stream")
         engine.close()

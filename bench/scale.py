@@ -269,8 +269,8 @@ class PlanResult:
 
 
 def rank_dcp_state(shapes: Sequence[tuple[str, tuple[int, ...]]], rank: int, world_size: int) -> dict[str, Any]:
-    """What ``rank`` hands DCP in a ``sharded`` save of this model (``saver._split_for_dcp``)."""
-    from lightning_zero.checkpoint import saver
+    """What ``rank`` hands DCP in a ``sharded`` save of this model (``modes.sharded.split_for_dcp``)."""
+    from lightning_zero.checkpoint.modes import sharded
     from lightning_zero.checkpoint.tree import FlatShard
 
     tree: dict[str, Any] = {}
@@ -278,7 +278,7 @@ def rank_dcp_state(shapes: Sequence[tuple[str, tuple[int, ...]]], rank: int, wor
         tree[kind] = {name: FlatShard(torch.empty(EvenShard(math.prod(shape), world_size).shard_numel(rank)), shape,
                                       rank, world_size) for name, shape in shapes}
     tree["step"] = {name: torch.zeros(()) for name, _ in shapes}
-    tensors, _ = saver._split_for_dcp(tree)
+    tensors, _ = sharded.split_for_dcp(tree)
     return tensors
 
 

@@ -44,10 +44,10 @@ from lightning_zero.checkpoint import (
     async_save,
     dcp_items,
     maybe_finalize_async_calls,
-    storage,
     wait_for_staging,
+    writeback,
 )
-from lightning_zero.checkpoint import saver as ckpt_saver
+from lightning_zero.checkpoint.team import set_up_coordination
 
 METHODS = ("raw", "raw_writeback", "raw_writeback_cached", "sharded", "sharded_one_thread", "sharded_cached",
            "sharded_no_writeback", "local", "dcp_save")
@@ -58,16 +58,16 @@ def writer_settings(method: str) -> Iterator[None]:
     """The writers as ``method`` names them: ``_cached`` keeps the written pages in the page cache,
     ``_no_writeback`` leaves all the writing to the final fsync, ``_one_thread`` writes a ``sharded``
     save's items on one thread ([Note: parallel writes])."""
-    saved = storage.WRITEBACK_BYTES, storage.DROP_BEHIND, dcp_items.WRITE_THREADS
+    saved = writeback.WRITEBACK_BYTES, writeback.DROP_BEHIND, dcp_items.WRITE_THREADS
     if method.endswith("_no_writeback"):
-        storage.WRITEBACK_BYTES = 2**62  # never reached: the final fsync writes everything
-    storage.DROP_BEHIND = not method.endswith("_cached")
+        writeback.WRITEBACK_BYTES = 2**62  # never reached: the final fsync writes everything
+    writeback.DROP_BEHIND = not method.endswith("_cached")
     if method.endswith("_one_thread"):
         dcp_items.WRITE_THREADS = 1
     try:
         yield
     finally:
-        storage.WRITEBACK_BYTES, storage.DROP_BEHIND, dcp_items.WRITE_THREADS = saved
+        writeback.WRITEBACK_BYTES, writeback.DROP_BEHIND, dcp_items.WRITE_THREADS = saved
 
 
 def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank: int, nbytes: int,
@@ -89,7 +89,7 @@ def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank:
 
 def loop(rank: int, world_size: int, settings: Settings, rounds: int) -> dict[str, Any]:
     trainer = build_trainer(settings, rank)
-    ckpt_saver.prepare()
+    set_up_coordination()
     trainer.forward_backward()
     trainer.optimizer_step()
     plain = per_rank_state(trainer.tree(), rank)

@@ -34,12 +34,13 @@ from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import saver, storage
+from lightning_zero.checkpoint import saver, storage, team
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint import trainer as ckpt_trainer
 from lightning_zero.checkpoint.metrics import CheckpointMetrics
+from lightning_zero.checkpoint.modes import full, sharded
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
-from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
+from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -216,7 +217,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self.lr_scheduler_configs = []
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            saver.prepare(self.num_processes)  # every save coordinates in the background, also after validate/test
+            team.set_up_coordination(self.num_processes)  # every save coordinates in the background, also after validate/test
 
     def _release_engine(self) -> None:
         if self._engine is not None:
@@ -420,11 +421,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
         tree = ckpt_trainer.build_tree(checkpoint, module, self._engine, "full", self._saved_meta())
-        full = saver.gather_tree_to_rank0(tree, None)  # on the training group, this thread
+        whole = full.gather_tree_to_rank0(tree, None)  # on the training group, this thread
         if self.is_global_zero:
-            full.pop(TREE_TAG)
-            full.pop(MARKER_FIELDS, None)
-            io.save_checkpoint(full, filepath, storage_options=storage_options)
+            whole.pop(TREE_TAG)
+            whole.pop(MARKER_FIELDS, None)
+            io.save_checkpoint(whole, filepath, storage_options=storage_options)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -480,7 +481,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             if engine is None:
                 # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads a
                 # sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
-                sharing = saver.shared_metadata(storage.resolve(candidate, options)) if isinstance(
+                sharing = sharded.shared_metadata(storage.resolve(candidate, options)) if isinstance(
                     io, ZeroCheckpointIO) else contextlib.nullcontext()
                 with sharing:
                     return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,

@@ -351,21 +351,21 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
     What each rank's finalize raised, and what ``last.ckpt`` holds afterwards."""
     import errno
 
-    from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, saver
+    from lightning_zero.checkpoint import async_save, file_io, maybe_finalize_async_calls
 
     path = f"{root}/last.ckpt"
     model, engine = build(rank, world_size)
     save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
     saved = gather_full_state(engine)
     train(model, engine, range(1), rank, world_size)
-    real_write = saver._torch_save_to
+    real_write = file_io.torch_save_to
 
     def full_disk(loc: Any, target: str, obj: Any) -> None:
         if rank == failing_rank:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(loc, target, obj)
 
-    saver._torch_save_to = full_disk
+    file_io.torch_save_to = full_disk
     try:
         async_save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
         error = None
@@ -374,7 +374,7 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
         except Exception as exc:  # noqa: BLE001 - reported to the test
             error = f"{type(exc).__name__}: {exc}"
     finally:
-        saver._torch_save_to = real_write
+        file_io.torch_save_to = real_write
     fresh_model, fresh = build(rank, world_size, perturb=1.0)
     load_into(fresh, fresh_model, path, saved["state"])
     return {"error": error, "saved": saved, "loaded": gather_full_state(fresh)}
@@ -470,6 +470,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
     a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
     from lightning_zero.checkpoint import trainer as ckpt_trainer
+    from lightning_zero.checkpoint import writeback
 
     model, engine = build(rank, world_size)
     train(model, engine, range(SAVED_AT_STEP), rank, world_size)
@@ -490,11 +491,10 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
             fresh.close()
     # A save still in flight when a load starts: the load finalizes it first (its background
     # collectives share the coordination group with the load's broadcast).
-    from lightning_zero.checkpoint import storage
 
     model, engine = build(rank, world_size)
     train(model, engine, range(SAVED_AT_STEP + 1), rank, world_size)
-    original = storage.WritebackFileSystem.create_stream
+    original = writeback.WritebackFileSystem.create_stream
 
     @contextmanager
     def slowly(self: Any, path: Any, mode: str) -> Iterator[Any]:
@@ -505,7 +505,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
         with original(self, path, mode) as stream:
             yield stream
 
-    storage.WritebackFileSystem.create_stream = slowly  # type: ignore[method-assign]
+    writeback.WritebackFileSystem.create_stream = slowly  # type: ignore[method-assign]
     try:
         async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/in-flight.ckpt", mode="sharded")
         in_flight = gather_full_state(engine)
@@ -513,7 +513,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
         fresh_model, fresh = build(rank, world_size, perturb=1.0)
         ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
     finally:
-        storage.WritebackFileSystem.create_stream = original  # type: ignore[method-assign]
+        writeback.WritebackFileSystem.create_stream = original  # type: ignore[method-assign]
     out["in_flight"] = {"loaded": gather_full_state(fresh), "saved": in_flight}
     fresh.close()
     fresh_model, fresh = build(rank, world_size, perturb=1.0)

@@ -170,17 +170,17 @@ class StagingClock(Callback):
         self.events: list[tuple[str, float]] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lightning_zero.checkpoint import saver
+        from lightning_zero.checkpoint.staging import Stager
 
-        real_stage = saver.stage
+        real_stage = Stager.stage
 
-        def slow_stage(tree: Any, *args: Any) -> Any:
+        def slow_stage(stager: Stager, tree: Any, *args: Any) -> Any:
             time.sleep(self.delay)
-            staged = real_stage(tree, *args)
+            staged = real_stage(stager, tree, *args)
             self.events.append(("staged", time.perf_counter()))
             return staged
 
-        saver.stage = slow_stage
+        Stager.stage = slow_stage  # type: ignore[method-assign]
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.events.append(("batch_start", time.perf_counter()))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.checkpoint import FlatShard, load, save, storage
+from lightning_zero.checkpoint import FlatShard, load, save, writeback
 
 MIB = 2**20
 
@@ -31,12 +31,12 @@ class Recorder:
         self.result, self.wait_result, self.error = result, wait_result, error
 
     def __call__(self, fd: int, offset: int, length: int, flags: int) -> int:
-        if flags == storage._SYNC_FILE_RANGE_WRITE:
+        if flags == writeback._SYNC_FILE_RANGE_WRITE:
             self.calls.append((fd, offset, length))
             self.events.append(("start", offset, length))
             result = self.result
         else:
-            assert flags == storage._SYNC_FILE_RANGE_WAIT  # the only other request: wait for a whole range
+            assert flags == writeback._SYNC_FILE_RANGE_WAIT  # the only other request: wait for a whole range
             self.events.append(("wait", offset, length))
             result = self.wait_result
         ctypes.set_errno(self.error if result else 0)  # as the real call leaves errno
@@ -50,7 +50,7 @@ class Recorder:
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
-    monkeypatch.setattr(storage, "_sync_file_range", recorder)
+    monkeypatch.setattr(writeback, "_sync_file_range", recorder)
     monkeypatch.setattr(os, "posix_fadvise", recorder.fadvise, raising=False)
     return recorder
 
@@ -58,7 +58,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_linux_provides_sync_file_range() -> None:
     # Without it the writers silently fall back to fsync-only writes: fail loudly here instead.
-    assert storage._sync_file_range is not None
+    assert writeback._sync_file_range is not None
 
 
 def test_writeback_covers_what_was_written_in_order_and_the_bytes_are_unchanged(tmp_path: Path,
@@ -66,7 +66,7 @@ def test_writeback_covers_what_was_written_in_order_and_the_bytes_are_unchanged(
     payload = torch.randint(0, 256, (10 * MIB + 123,), dtype=torch.uint8).numpy().tobytes()
     path = tmp_path / "file.bin"
     with open(path, "wb") as f:
-        stream = storage.WritebackStream(f, every=3 * MIB)
+        stream = writeback.WritebackStream(f, every=3 * MIB)
         for start in range(0, len(payload), MIB // 2):
             stream.write(payload[start:start + MIB // 2])
         fd = f.fileno()
@@ -84,7 +84,7 @@ def test_writeback_covers_what_was_written_in_order_and_the_bytes_are_unchanged(
 
 def test_a_stream_without_a_file_descriptor_is_written_through(recorder: Recorder) -> None:
     buffer = io.BytesIO()
-    stream = storage.WritebackStream(buffer, every=1)
+    stream = writeback.WritebackStream(buffer, every=1)
     stream.write(b"abc")
     stream.write(memoryview(b"defg"))
     assert buffer.getvalue() == b"abcdefg" and stream.tell() == 7
@@ -100,7 +100,7 @@ def big_state(value: float) -> dict[str, Any]:
 def test_every_mode_starts_writeback_while_writing_and_loads_the_same_state(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: Recorder, single_rank_group: None,
         mode: str) -> None:
-    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 4 * MIB)
+    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 4 * MIB)
     path = tmp_path / "ckpt"
     save(big_state(1.5), str(path), mode=mode)
     assert sum(length for _, _, length in recorder.calls) >= 8 * MIB  # of the 12 MiB file
@@ -114,8 +114,8 @@ def test_a_failed_writeback_request_leaves_the_save_to_the_fsync(tmp_path: Path,
                                                                    single_rank_group: None) -> None:
     # A file that does not take the requests (EINVAL): the save must not fail or change.
     failing = Recorder(result=-1, wait_result=-1, error=errno.EINVAL)
-    monkeypatch.setattr(storage, "_sync_file_range", failing)
-    monkeypatch.setattr(storage, "WRITEBACK_BYTES", 4 * MIB)
+    monkeypatch.setattr(writeback, "_sync_file_range", failing)
+    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 4 * MIB)
     path = tmp_path / "ckpt"
     save(big_state(2.5), str(path), mode="sharded")
     assert failing.calls
@@ -128,7 +128,7 @@ def test_taking_the_descriptor_to_fsync_flushes_python_s_buffer_first(tmp_path: 
     # DCP fsyncs `stream.fileno()` before it closes the file: the tail must be in the kernel by then.
     path = tmp_path / "small.bin"
     with open(path, "wb") as f:
-        stream = storage.WritebackStream(f)
+        stream = writeback.WritebackStream(f)
         stream.write(b"x" * 100)
         assert path.stat().st_size == 0  # still in Python's buffer
         stream.fileno()
@@ -139,7 +139,7 @@ def test_offsets_count_from_where_the_file_was_when_wrapped(tmp_path: Path, reco
     path = tmp_path / "appended.bin"
     with open(path, "wb") as f:
         f.write(b"h" * 1000)
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         stream.write(b"d" * (2 * MIB))
     assert recorder.calls[0][1] == 1000 and recorder.calls[0][2] == 2 * MIB
 
@@ -150,7 +150,7 @@ def test_offsets_count_from_where_the_file_was_when_wrapped(tmp_path: Path, reco
 def test_each_range_is_waited_for_and_dropped_once_the_next_one_is_started(tmp_path: Path,
                                                                             recorder: Recorder) -> None:
     with open(tmp_path / "file.bin", "wb", buffering=0) as f:
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         for _ in range(4):
             stream.write(b"x" * MIB)
     # The disk is always handed the next range before the stream waits for the one before it, and
@@ -168,10 +168,10 @@ def test_an_error_the_wait_reports_fails_the_write_and_nothing_is_dropped(tmp_pa
     # The wait consumes the file's writeback error (the fsync after it would succeed): it must
     # fail the write itself, naming the cause.
     failing = Recorder(wait_result=-1, error=errno.EIO)
-    monkeypatch.setattr(storage, "_sync_file_range", failing)
+    monkeypatch.setattr(writeback, "_sync_file_range", failing)
     monkeypatch.setattr(os, "posix_fadvise", failing.fadvise, raising=False)
     with open(tmp_path / "file.bin", "wb", buffering=0) as f:
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         stream.write(b"x" * MIB)
         with pytest.raises(OSError, match=r"writing back bytes 0-1048576 of a checkpoint file failed") as error:
             stream.write(b"x" * MIB)
@@ -181,10 +181,10 @@ def test_an_error_the_wait_reports_fails_the_write_and_nothing_is_dropped(tmp_pa
 
 def test_a_file_that_refuses_the_wait_is_left_to_the_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     refusing = Recorder(wait_result=-1, error=errno.EINVAL)
-    monkeypatch.setattr(storage, "_sync_file_range", refusing)
+    monkeypatch.setattr(writeback, "_sync_file_range", refusing)
     monkeypatch.setattr(os, "posix_fadvise", refusing.fadvise, raising=False)
     with open(tmp_path / "file.bin", "wb", buffering=0) as f:
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         for _ in range(4):
             stream.write(b"x" * MIB)
     # No further request after the refusal, and the bytes are all there.
@@ -194,9 +194,9 @@ def test_a_file_that_refuses_the_wait_is_left_to_the_fsync(tmp_path: Path, monke
 
 def test_with_drop_behind_off_nothing_is_waited_for_or_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 recorder: Recorder) -> None:
-    monkeypatch.setattr(storage, "DROP_BEHIND", False)
+    monkeypatch.setattr(writeback, "DROP_BEHIND", False)
     with open(tmp_path / "file.bin", "wb", buffering=0) as f:
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         for _ in range(3):
             stream.write(b"x" * MIB)
     assert [what for what, _, _ in recorder.events] == ["start"] * 3
@@ -241,10 +241,10 @@ def test_a_file_being_written_keeps_about_one_range_in_the_page_cache(tmp_path: 
     fs_type = _mount_type(tmp_path)
     if fs_type not in PAGE_CACHE_FILE_SYSTEMS:
         pytest.skip(f"{tmp_path} is on {fs_type}, which may keep its pages elsewhere (memory, its own cache)")
-    monkeypatch.setattr(storage, "DROP_BEHIND", drop_behind)
+    monkeypatch.setattr(writeback, "DROP_BEHIND", drop_behind)
     path = tmp_path / "file.bin"
     with open(path, "wb", buffering=0) as f:
-        stream = storage.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB)
         for _ in range(16):
             stream.write(os.urandom(MIB))
         resident = _resident_bytes(path)  # before the fsync: what a save holds while it writes

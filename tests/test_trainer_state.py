@@ -22,7 +22,7 @@ from lightning_zero.checkpoint import (
     save,
     zero_state_dict,
 )
-from lightning_zero.checkpoint.trainer import read_trainer_state, trainer_state_blob
+from lightning_zero.checkpoint.trainer_state import read_trainer_state, trainer_state_blob
 
 
 class RunsCode:

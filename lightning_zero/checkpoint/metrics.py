@@ -11,69 +11,15 @@ collective: every rank's figures are its own, and rank 0 writes the commit marke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-METRIC_PREFIX = "checkpoint/"
+from lightning_zero.checkpoint.scheduler import checkpointer
+from lightning_zero.checkpoint.stats import METRIC_PREFIX, SaveStats
 
-
-@dataclass
-class SaveStats:
-    """One save as this rank saw it. Times in seconds, measured with ``time.perf_counter``.
-
-    ``blocked_s`` and ``staging_wait_s`` are what the training thread paid; the other times run on
-    the background thread while training goes on."""
-
-    url: str
-    mode: str
-    step: int | None = None
-    """``global_step`` of the Lightning checkpoint (None for the functional API)."""
-    blocked_s: float = 0.0
-    """The training thread inside the save call (``ZeroLowLevelStrategy.save_checkpoint`` when it made the
-    call: building the tree included, and waiting for the previous save to finalize when it had not)."""
-    staging_wait_s: float = 0.0
-    """How long the next optimizer update waited for this save's tensors to be copied."""
-    staging_s: float = 0.0
-    """Copying the tensors off the live state (background)."""
-    write_s: float = 0.0
-    """Serializing and writing this rank's files (background)."""
-    commit_s: float = 0.0
-    """From the end of this rank's writes until the commit marker is written and every rank knows it."""
-    committed_after_s: float = 0.0
-    """From the save call until committed."""
-    bytes_written: int = 0
-    """Tensor bytes this rank wrote, file overhead excluded (``local``: every tensor of its file;
-    ``sharded``: its shards, and on rank 0 the replicated tensors, which DCP writes once; ``full``: rank 0
-    the whole state, the others 0)."""
-
-    @property
-    def blocked_total_s(self) -> float:
-        """Everything the training loop waited for this save."""
-        return self.blocked_s + self.staging_wait_s
-
-    @property
-    def throughput_mb_s(self) -> float:
-        """This rank's write rate, MB (10^6 bytes) per second of ``write_s``."""
-        return self.bytes_written / self.write_s / 1e6 if self.write_s > 0 else 0.0
-
-    def as_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
-        """The figures as logger metrics (milliseconds for times)."""
-        metrics = {
-            "blocked_ms": self.blocked_s * 1e3,
-            "staging_wait_ms": self.staging_wait_s * 1e3,
-            "staging_ms": self.staging_s * 1e3,
-            "write_ms": self.write_s * 1e3,
-            "commit_ms": self.commit_s * 1e3,
-            "committed_after_ms": self.committed_after_s * 1e3,
-            "bytes": float(self.bytes_written),
-            "throughput_mb_s": self.throughput_mb_s,
-        }
-        if self.step is not None:
-            metrics["step"] = float(self.step)
-        return {f"{prefix}{name}": value for name, value in metrics.items()}
+__all__ = ["METRIC_PREFIX", "CheckpointMetrics", "SaveStats"]
 
 
 class CheckpointMetrics(Callback):
@@ -90,9 +36,7 @@ class CheckpointMetrics(Callback):
         self.prog_bar = prog_bar
 
     def _log_committed(self, trainer: Trainer, pl_module: LightningModule, in_step: bool) -> None:
-        from lightning_zero.checkpoint import saver
-
-        committed = saver.take_committed_stats()
+        committed = checkpointer().take_committed()
         if not trainer.is_global_zero:
             return
         for stats in committed:

@@ -12,7 +12,7 @@ from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.metrics import SaveStats
 from lightning_zero.checkpoint.saver import Mode
-from lightning_zero.checkpoint.trainer import MARKER_FIELDS, TREE_TAG
+from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 
 
 class ZeroCheckpointIO(CheckpointIO):

@@ -17,18 +17,15 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import io
 import json
 import os
 import pickle
 import re
-import sys
 import uuid
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,146 +152,6 @@ def abort_upload(f: Any) -> None:
         f.closed = True
 
 
-# ---- local files: writeback started while writing -------------------------------------------
-
-WRITEBACK_BYTES = 32 * 2**20
-"""How much a :class:`WritebackStream` lets pile up in the page cache before it starts writing it out;
-a file being written keeps about twice this in the page cache ([Note: drop behind])."""
-
-DROP_BEHIND = True
-"""Whether a :class:`WritebackStream` drops the pages it has written out ([Note: drop behind]);
-the benchmarks turn it off to measure what it brings."""
-
-# <linux/fs.h>
-_SYNC_FILE_RANGE_WAIT_BEFORE = 1  # wait for writeback already under way in the range
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages
-_SYNC_FILE_RANGE_WAIT_AFTER = 4  # wait for the writeback just started
-_SYNC_FILE_RANGE_WAIT = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
-
-
-_REFUSED = (errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP)
-"""``sync_file_range`` errors that say the file does not take the request, not that writing failed."""
-
-
-def _load_sync_file_range() -> Any:
-    """glibc's ``sync_file_range``, or None (not Linux, or not found): :class:`WritebackStream` then
-    passes writes through and the final fsync does all the writing, as it would without it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-class WritebackStream:
-    """A local file being written, whose bytes the kernel starts writing to disk every
-    :data:`WRITEBACK_BYTES` instead of at the final fsync.
-
-    [Note: early writeback] Writes land in the page cache at memory speed and the fsync that makes a
-    checkpoint file durable then waits for the disk to take the whole file, while the CPU that
-    serialized it idles. ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` on each range as it fills hands
-    it to the disk while serialization goes on (it queues the pages and returns), so disk and CPU
-    work at once and the fsync finds little left; RocksDB's ``bytes_per_sync`` does the same. In
-    ``bench/checkpoint.py`` even raw writes of one file per rank reach 1.06-1.17x the rate with it
-    (``bench/write_loop.py``: a ``sharded`` save's write 1.33-1.41x).
-
-    It promises nothing about durability (no metadata, no cache flush of the device): the fsync
-    that follows still does that. Offsets count from where the file was when wrapped; a seek
-    through the wrapper is not followed (its hints would then only be wasted). ``fileno`` flushes
-    Python's buffer first; everything else (``tell``, ``flush``, ...) is the wrapped file's.
-
-    [Note: drop behind] Once a range's writeback is started, the stream waits for the range before
-    it (whose writeback has had a whole range's time to finish, and the range just started keeps the
-    disk busy meanwhile) and drops its now clean pages (``POSIX_FADV_DONTNEED``). A file being
-    written then holds about two ranges of page cache, not the whole checkpoint:
-    - a save of tens of GB does not evict what the training job keeps cached (its dataset files),
-      and does not count its size against a container's memory limit (cgroup v2 charges page cache
-      to the job; its dirty pages throttle every writer of the job once past the dirty limit);
-    - the next range is written into the pages just freed, not into memory untouched for a while.
-      On a VM that reports free memory to its host (virtio-balloon free page reporting, as on this
-      project's benchmark machine) the host takes such memory back, and touching it again costs a
-      host page fault per page: fresh memory filled at 395-464 MiB/s there, memory just freed at
-      2.5 GB/s, and every checkpoint write that landed on fresh memory ran at a third of the
-      disk's rate (BENCHMARKS.md, "Drop behind and two writer threads").
-    The price: the waits, and a read of the checkpoint right after its save comes from the disk.
-    Where every save reuses memory freed a second earlier (``bench/write_loop.py``'s back-to-back
-    saves), keeping the pages is faster: 0.55 s against 0.70 s for 568 MB. The file's last two
-    ranges stay cached (clean after the fsync)."""
-
-    def __init__(self, raw: Any, every: int | None = None) -> None:
-        self._raw = raw
-        self._every = WRITEBACK_BYTES if every is None else every
-        try:
-            self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
-            start = raw.tell() if self._fd is not None else 0
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            self._fd, start = None, 0
-        self._position = start  # file offset after what was written through this wrapper
-        self._started = start  # up to here writeback has been started
-        self._dropped = start  # up to here the pages were dropped from the page cache
-        self._drop = DROP_BEHIND
-
-    def write(self, data: Any) -> int:
-        written = self._raw.write(data)
-        self._position += len(memoryview(data).cast("B")) if written is None else written
-        if self._fd is not None and self._position - self._started >= self._every:
-            self._raw.flush()  # out of Python's buffer, so the range is in the page cache
-            # A failure here (EIO, ENOSPC) comes back from the fsync too, which raises it.
-            _sync_file_range(self._fd, self._started, self._position - self._started, _SYNC_FILE_RANGE_WRITE)
-            self._drop_behind(self._started)
-            self._started = self._position
-        return written
-
-    def _drop_behind(self, end: int) -> None:
-        """Wait for the writeback of [dropped, end) and drop its pages ([Note: drop behind])."""
-        start, self._dropped = self._dropped, end
-        if end <= start or self._fd is None or not self._drop:
-            return
-        if _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WAIT) != 0:
-            code = ctypes.get_errno()
-            if code in _REFUSED:  # this file does not take the request: leave it all to the fsync
-                self._fd = None
-                return
-            # The wait has consumed the file's writeback error (the kernel reports one to each open
-            # file once, and the fsync would then succeed): it is this save's failure.
-            raise OSError(code, f"writing back bytes {start}-{end} of a checkpoint file failed: {os.strerror(code)}")
-        # Only clean pages are dropped (dirty ones never are), and only once the wait succeeded.
-        with suppress(OSError, AttributeError):  # a hint: no posix_fadvise, no harm
-            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
-
-    def fileno(self) -> int:
-        # Callers take the descriptor to fsync it (DCP does, before it closes the file): Python's
-        # buffer goes to the kernel first, or its last bytes (a zip directory, a small .metadata)
-        # would reach the disk only after the fsync that was to make them durable.
-        self._raw.flush()
-        return self._raw.fileno()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-
-class WritebackFileSystem:
-    """DCP's local ``FileSystem`` whose write streams are :class:`WritebackStream` s (its other
-    methods, reads included, are the wrapped one's)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self._inner.create_stream(path, mode) as stream:
-            yield WritebackStream(stream) if "w" in mode else stream
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
 
 MARKER_KEY = "lightning_zero"
 """The key of a marker's own fields inside the marker file."""
@@ -376,13 +233,18 @@ def _zip_holds_tensors(f: Any) -> bool:
     return any("/data/" in name for name in names)
 
 
+def refused_global(exc: BaseException) -> str:
+    """The name of the global a ``weights_only`` load refused (from torch's message)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return found.group(1) if found else "an object that is not a tensor, container or plain value"
+
+
 def refused_pickle(url: str, what: str, exc: BaseException) -> str:
     """The message for a file whose pickle names a global that ``weights_only`` loading refuses.
 
     torch's own message suggests ``weights_only=False``; for a file of unknown origin that is the one
     thing not to do, so it is replaced, keeping only the refused name."""
-    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-    name = found.group(1) if found else "an object that is not a tensor, container or plain value"
+    name = refused_global(exc)
     return (f"{url!r} is not a valid checkpoint: its {what} holds {name}, which checkpoints never contain. It was"
             " not unpickled (a crafted file could run code); do not load it with weights_only=False unless you"
             " wrote it yourself.")
@@ -428,6 +290,14 @@ def _missing_message(loc: Location) -> str:
         f"No checkpoint at {loc.url!r}. If a save was in progress it did not commit (a checkpoint counts only"
         " once its commit marker is written); resume from an earlier checkpoint."
     )
+
+
+def version_dir_of(loc: Location, marker: dict[str, Any]) -> str:
+    """The data version directory the commit marker of ``loc`` names."""
+    data = str(marker["data"])
+    if "/" in data:  # relative to the marker's folder
+        return loc.join(loc.parent, data)
+    return loc.join(loc.data_root(), data)  # markers of version 1
 
 
 def remove(loc: Location) -> None:
@@ -496,8 +366,7 @@ def remove_incomplete(directory: Location) -> list[str]:
             except Exception:  # not a checkpoint of this package (or damaged): names no version
                 continue
             if marker is not None:
-                data = str(marker["data"])
-                referenced.add(_join(root, data) if "/" in data else _join(root, DATA_DIR, name, data))
+                referenced.add(version_dir_of(Location(fs, f"{root}/{name}", ""), marker))
     data_root = _join(root, DATA_DIR)
     try:
         names = fs.ls(data_root, detail=False)

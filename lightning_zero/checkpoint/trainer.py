@@ -23,9 +23,6 @@ Which load fills what:
 
 from __future__ import annotations
 
-import io
-import pickle
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,18 +34,19 @@ from torch import Tensor, nn
 
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint.modes import full, sharded
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
+from lightning_zero.checkpoint.team import fail_together
+from lightning_zero.checkpoint.trainer_state import (
+    MARKER_FIELDS,
+    TREE_TAG,
+    marker_fields,
+    read_trainer_state,
+    trainer_state_blob,
+)
 from lightning_zero.checkpoint.tree import check_same_keys, snapshot, tensor_paths
 from lightning_zero.engine import ZeroEngine
-
-TREE_TAG = "lightning_zero"
-"""Key of the mode in a tree built by :func:`build_tree` (the plugin checks it)."""
-MARKER_FIELDS = "marker_fields"
-"""Key of the Lightning fields a tree carries to the commit marker (see [Note: marker format])."""
-LIGHTNING_FIELDS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
-                    "hparams_type", "datamodule_hyper_parameters", "datamodule_hparams_name")
-
 
 # ---- save ---------------------------------------------------------------------------------
 
@@ -138,50 +136,6 @@ def _weights_tree(module: nn.Module) -> dict[str, Any]:
     return {"model": model}
 
 
-def marker_fields(trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's small top-level fields, where they load with ``weights_only=True`` (hyper-parameters
-    holding classes stay in the trainer blob only: the marker must always be readable)."""
-    fields = {k: trainer_state[k] for k in LIGHTNING_FIELDS if k in trainer_state}
-    try:
-        buffer = io.BytesIO()
-        torch.save(fields, buffer)
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception:
-        fields = {k: v for k, v in fields.items() if "hyper" not in k and "hparams" not in k}
-    return fields
-
-
-def trainer_state_blob(trainer_state: dict[str, Any]) -> bytes:
-    """Lightning's loop/callback state as one blob, so tensors in it stay out of the sharded tree."""
-    buffer = io.BytesIO()
-    torch.save(trainer_state, buffer)
-    return buffer.getvalue()
-
-
-def read_trainer_state(blob: bytes, url: str) -> dict[str, Any]:
-    """Lightning's loop/callback state, on CPU, never unpickling arbitrary objects.
-
-    Lightning's own rule for ``weights_only`` loads: tensors, containers and plain values only.
-    Hyper-parameters that hold a class (an ``nn.Module``, a dataclass) are refused with its name and
-    the fix, never retried with ``weights_only=False`` (a crafted checkpoint would run code)."""
-    try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        name = found.group(1) if found else "an object that is not a tensor, container or plain value"
-        raise CheckpointCorruptError(
-            f"The trainer state of checkpoint {url!r} holds {name}, which is not loaded: checkpoints are read"
-            " with weights_only=True, so that a crafted file cannot run code. If you saved it yourself and trust"
-            f" it, allow the class with torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1]}]) before"
-            " loading; better, keep only plain values in save_hyperparameters()."
-        ) from None
-    except Exception as exc:
-        raise CheckpointCorruptError(
-            f"The trainer state of checkpoint {url!r} is damaged ({type(exc).__name__}: {exc}); resume from"
-            " another checkpoint."
-        ) from exc
-
-
 # ---- load ---------------------------------------------------------------------------------
 
 
@@ -223,7 +177,7 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
     loc = storage.resolve(checkpoint_id, options)
     # [Note: shared metadata] in saver.py: a sharded checkpoint's .metadata is read by rank 0 only,
     # for the key check and the load below.
-    with saver.shared_metadata(loc):
+    with sharded.shared_metadata(loc):
         # Everything that can fail on one rank only (a file it cannot read, another model) fails before
         # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
         # coordination group) while another has already left for the caller's agreement.
@@ -233,12 +187,12 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         try:
             mode = saver.read_mode(checkpoint_id, options)
             if mode == "full":
-                content = saver.read_full(checkpoint_id, options)
+                content = full.read_full(checkpoint_id, options)
             else:
                 keys = saver.saved_tensor_keys(checkpoint_id, options)
         except Exception as exc:
             error = exc
-        saver.agree(error, loc)
+        fail_together(error, loc)
         if mode == "full":
             if "state_dict" in content and pending is not None:
                 pending.append(PendingWeights(checkpoint_id, options, full=content))

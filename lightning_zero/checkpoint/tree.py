@@ -132,3 +132,14 @@ def check_same_keys(expected: set[str], found: set[str], url: str, strict: bool 
             " the model it was saved from (a LightningModule with `strict_loading = False` keeps its own values of"
             " weights the checkpoint lacks and ignores the ones it has in excess)."
         )
+
+
+def shard_group_size_of(state: Any, world_size: int) -> int:
+    """The shard group size the flat shards of ``state`` were split over (the world without any)."""
+    return next((leaf.world_size for _, leaf in walk(state) if isinstance(leaf, FlatShard)), world_size)
+
+
+def tensor_leaves(tree: Any) -> Iterator[tuple[str, Tensor | FlatShard]]:
+    for path, leaf in walk(tree):
+        if is_tensor_leaf(leaf):
+            yield "/".join(path), leaf

@@ -20,7 +20,6 @@ def main(mode: str, dirpath: str) -> None:
     import torch
     from checkpoint_cases import fit, make_trainer
 
-    from lightning_zero.checkpoint import saver
 
     real_save = torch.save
 
@@ -45,7 +44,6 @@ def main(mode: str, dirpath: str) -> None:
     # The rank files, the sharded objects file and the full file are all torch.save streams; DCP's
     # data files of sharded mode are too, through DCP's writer.
     torch.save = half_then_kill  # type: ignore[assignment]
-    saver.torch.save = half_then_kill  # type: ignore[attr-defined]
     fit(make_trainer(mode, dirpath, 2, start_method="fork"))
 
 

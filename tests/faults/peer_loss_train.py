@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_cases import NetModule, loader  # noqa: E402
 
 from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy  # noqa: E402
-from lightning_zero.checkpoint import saver  # noqa: E402
+from lightning_zero.checkpoint.modes import local  # noqa: E402
 
 TIMEOUT_S = 8
 
@@ -47,13 +47,13 @@ class SignalSelf(Callback):
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if trainer.node_rank != 1 or self.when != "save":
             return
-        real_write = saver._write_local
+        real_write = local.write_local
 
         def write_then_die(*write_args: Any, **kwargs: Any) -> None:
             signal_self(self.sig, self.ckpt_dir)
             real_write(*write_args, **kwargs)
 
-        saver._write_local = write_then_die
+        local.write_local = write_then_die
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from lightning_zero.checkpoint import (
     remove,
     save,
     saver,
-    storage,
+    writeback,
 )
-from lightning_zero.checkpoint.plugin import TREE_TAG
+from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
 DISK_FULL = r"No space left on device"
 
@@ -187,7 +187,7 @@ class _SlowStream:
 
 def fail_one_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str = "", at_open: bool = False) -> None:
     """The file named ``failing`` meets a full disk (when created, with ``at_open``); ``slow`` is written slowly."""
-    original = storage.WritebackFileSystem.create_stream
+    original = writeback.WritebackFileSystem.create_stream
     FAILED.clear()
     _SlowStream.writes_after_failure = 0
 
@@ -200,7 +200,7 @@ def fail_one_file(monkeypatch: pytest.MonkeyPatch, failing: str, slow: str = "",
         with original(self, path, mode) as stream:
             yield _FullDiskStream(stream) if name == failing else _SlowStream(stream) if name == slow else stream
 
-    monkeypatch.setattr(storage.WritebackFileSystem, "create_stream", create_stream)
+    monkeypatch.setattr(writeback.WritebackFileSystem, "create_stream", create_stream)
 
 
 def writer_threads() -> list[str]:

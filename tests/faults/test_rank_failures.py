@@ -22,7 +22,7 @@ from fault_cases import (
     train_while_a_peer_dies,
 )
 
-from lightning_zero.checkpoint import load, saver
+from lightning_zero.checkpoint import load, storage
 
 OOM = r"can't allocate memory|not enough memory|out of memory|Cannot allocate memory"
 
@@ -80,7 +80,7 @@ def test_a_peer_killed_or_frozen_during_a_save_fails_it_on_the_others_within_the
         assert result["seconds"] < TIMEOUT_S * 3 + 5, f"rank {rank} took {result['seconds']:.1f} s"
     # Nothing committed: last.ckpt is still the first save (value 1.0), which loads at world size 3 only
     # in local mode; its marker names the first data version.
-    marker = saver.storage.read_marker(saver.storage.resolve(str(tmp_path / "last.ckpt")))
+    marker = storage.read_marker(storage.resolve(str(tmp_path / "last.ckpt")))
     assert marker is not None
     versions = list((tmp_path / "_zero_data" / "last.ckpt").iterdir())
     assert marker["data"].endswith(tuple(v.name for v in versions))

@@ -1,0 +1,169 @@
+"""One file written or read whole, on a local disk or an object store: ``torch.save`` streamed to
+storage (fsynced locally; one multipart upload remotely), ``torch.load`` with ``weights_only`` from a
+memory map or a stream, the probe that finds an unwritable path before a save writes anything, and
+the checks that a committed checkpoint's version directory exists.
+
+With :mod:`~lightning_zero.checkpoint.storage`, the only place that tells local from remote paths.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+from typing import Any
+
+import torch
+
+from lightning_zero.checkpoint import storage, writeback
+from lightning_zero.checkpoint.modes import Mode
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+
+
+def preflight(loc: Location, mode: Mode, rank: int) -> str | None:
+    """This rank's reason it cannot write ``loc`` (a read-only or refused path), found before any
+    checkpoint data is written; None when it can. Object stores have no directories to probe: their
+    refusals come from the first upload, which every rank then reports at exchange (3)."""
+    if mode == "full" and rank != 0:
+        return None
+    if not loc.is_local:
+        # DCP's fsspec writer makes its directory with makedirs, which on s3fs creates a missing bucket.
+        bucket = loc.path.split("/", 1)[0]
+        try:
+            loc.fs.info(bucket)
+        except FileNotFoundError:
+            return (f"rank {rank}: Could not write checkpoint at {loc.url!r}: the bucket or prefix does not exist:"
+                    f" create the bucket {bucket!r} or fix the path.")
+        except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
+            pass
+        return None
+    directory = loc.data_root() if mode != "full" else (loc.parent or ".")
+    probe = f"{directory}/.lightning_zero-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        return f"rank {rank}: cannot write {directory!r}: {storage.storage_error(loc, 'write', exc)}"
+    return None
+
+
+def discard(loc: Location, version_dir: str) -> None:
+    try:
+        loc.fs.rm(version_dir, recursive=True)
+    except Exception:  # a partial version directory is harmless: nothing points at it
+        pass
+
+
+def torch_save_to(loc: Location, path: str, obj: Any) -> None:
+    """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
+
+    Local disks: one file, fsynced. Object stores: one multipart upload that completes at
+    close; a partial upload left by a failure is never referenced (the marker is written last).
+    """
+    if loc.is_local:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            _save_keeping_write_errors(obj, writeback.WritebackStream(f))  # [Note: early writeback]
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        f = loc.fs.open(path, "wb")
+        try:
+            _save_keeping_write_errors(obj, f)
+        except BaseException:
+            storage.abort_upload(f)
+            raise
+        f.close()
+
+
+class _WriteErrorKeeper:
+    """A file wrapper that remembers the first error of ``write``.
+
+    torch.save's C++ zip writer swallows the Python exception of a failed ``write`` and reports only
+    "[enforce fail at inline_container.cc] unexpected pos" (seen on a full tmpfs): the real cause
+    (ENOSPC, a refused upload) is re-raised from here instead."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._raw.write(data)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def _save_keeping_write_errors(obj: Any, f: Any) -> None:
+    keeper = _WriteErrorKeeper(f)
+    try:
+        torch.save(obj, keeper)
+    except Exception as exc:
+        if keeper.error is not None:
+            raise keeper.error from exc
+        raise
+
+
+
+def torch_load(loc: Location, path: str) -> Any:
+    """One ``torch.save`` file, ``weights_only``, on CPU, without a second copy of its bytes: a local
+    file is memory-mapped (tensors are paged in as they are copied into the state), a remote one is
+    deserialized straight from the stream (``full`` files are a whole model: issue 8, item 7)."""
+    try:
+        if loc.is_local:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(path)
+            data: Any = path
+        else:
+            data = loc.fs.open(path, "rb")
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(
+            f"Checkpoint {loc.url!r} is committed but {path!r} is missing; the checkpoint is damaged, resume"
+            " from another one."
+        ) from exc
+    except Exception as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    try:
+        if isinstance(data, str):
+            try:
+                return torch.load(data, map_location="cpu", weights_only=True, mmap=True)
+            except (RuntimeError, OSError):
+                # Not mappable (the legacy format, an empty or truncated file): read it whole, which
+                # reports a damaged file as such below.
+                return torch.load(data, map_location="cpu", weights_only=True)
+        with data:
+            return torch.load(data, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointCorruptError(storage.refused_pickle(loc.url, f"file {path!r}", exc)) from None
+    except OSError as exc:
+        if not loc.is_local:  # the store, not the file, failed mid-read
+            raise storage.storage_error(loc, "read", exc) from exc
+        error: Exception = exc
+    except Exception as exc:
+        error = exc
+    raise CheckpointCorruptError(
+        f"Could not read {path!r} of checkpoint {loc.url!r} ({type(error).__name__}: {error}); the file is"
+        " damaged or not a checkpoint. Resume from another checkpoint."
+    ) from error
+
+
+def existing_version_dir(loc: Location, marker: dict[str, Any]) -> str:
+    version_dir = version_dir_of(loc, marker)
+    try:
+        exists = loc.fs.exists(version_dir) or bool(loc.fs.ls(version_dir, detail=False))
+    except FileNotFoundError:
+        exists = False
+    except Exception as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    if not exists:
+        raise CheckpointCorruptError(
+            f"Checkpoint {loc.url!r} is committed but the data version it points at, {version_dir!r}, is missing;"
+            " the checkpoint is damaged. Resume from another checkpoint."
+        )
+    return version_dir

@@ -1,0 +1,143 @@
+"""``local`` mode: every rank writes its own file of its own shards, no collective; a load reads the
+rank's own file, at the world size it was saved with (or fewer replica groups of the same shard
+group size, with hybrid sharding).
+
+Layout: ``<version dir>/rank{r:05d}-of-{world:05d}.pt``, a ``torch.save`` of the tree with each
+:class:`FlatShard` encoded as a plain dict (``weights_only`` loads accept it), plus the integrity
+header (:mod:`~lightning_zero.checkpoint.integrity`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_zero.checkpoint import file_io, integrity
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.team import Team, world
+from lightning_zero.checkpoint.tree import FlatShard, map_leaves, map_with_path, walk
+
+
+def encode_shards(state: Any) -> Any:
+    """FlatShard -> a plain dict that ``torch.load(weights_only=True)`` accepts."""
+    return map_leaves(state, lambda leaf: {"flat_shard": leaf.local, "shape": list(leaf.shape),
+                                           "rank": leaf.rank, "world_size": leaf.world_size,
+                                           "replicas": leaf.replicas, "replica_rank": leaf.replica_rank}
+                      if isinstance(leaf, FlatShard) else leaf)
+
+
+def rank_file(version_dir: str, rank: int, world_size: int) -> str:
+    return f"{version_dir}/rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str) -> None:
+    encoded = encode_shards(state)
+    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
+    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded)
+
+
+
+
+READ_AHEAD: dict[str, Any] = {}
+"""A rank file read (and verified) by ``saver.saved_tensor_keys``, handed to the load that follows (read once)."""
+
+
+def read_local(loc: Location, marker: dict[str, Any], rank: int | None = None,
+                shard_group_size: int | None = None, team: Team | None = None) -> Any:
+    """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
+    replica groups of the same ``shard_group_size``: see :func:`_check_local_world`), checked."""
+    own_rank, world_size = (team.rank, team.world_size) if team is not None else world()
+    if rank is None or rank == own_rank:
+        _check_local_world(loc, marker, world_size, shard_group_size)
+    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+
+
+def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, shard_group_size: int | None) -> None:
+    """A ``local`` checkpoint loads at the world size it was saved with, or, saved with hybrid sharding
+    (R replica groups of N ranks), with fewer replica groups of the same N, as SageMaker's rule is:
+    rank r's file holds the shards of rank r % N of a shard group, which is what rank r needs."""
+    saved_world = int(marker["world_size"])
+    saved_n = int(marker.get("shard_group_size", saved_world))
+    target_n = shard_group_size if shard_group_size is not None else saved_n
+    if saved_world == world_size and target_n == saved_n:
+        return
+    if saved_n < saved_world:
+        if world_size <= saved_world and world_size % saved_n == 0 and target_n == saved_n:
+            return
+        choices = [saved_n * k for k in range(1, saved_world // saved_n + 1)]
+        raise ValueError(
+            f"Checkpoint {loc.url!r} was saved in 'local' mode by {saved_world // saved_n} replica groups of"
+            f" shard_group_size {saved_n} (world size {saved_world}); it resumes only with shard_group_size"
+            f" {saved_n} and a world size in {choices} (the same or fewer replica groups), not world size"
+            f" {world_size} with shard_group_size {target_n}. Resume with shard_group_size={saved_n}, or save"
+            " with ZeroCheckpointIO(mode='sharded') to change the shard group size or grow the world."
+        )
+    if saved_world != world_size:
+        raise ValueError(
+            f"Checkpoint {loc.url!r} was saved in 'local' mode with world size {marker['world_size']}; it can only"
+            f" be loaded with that world size, not {world_size}. Resume with {marker['world_size']} processes, or"
+            " save with ZeroCheckpointIO(mode='sharded') to change the world size."
+        )
+    raise ValueError(
+        f"Checkpoint {loc.url!r} was saved in 'local' mode sharded over the whole world ({saved_world} ranks); it"
+        f" cannot be loaded with shard_group_size {target_n}. Load it without shard_group_size, or save with"
+        " ZeroCheckpointIO(mode='sharded') to change the shard group size."
+    )
+
+
+def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
+    """Rank ``rank``'s file of a ``local`` checkpoint, checked to belong to this checkpoint and this
+    rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves."""
+    path = rank_file(version_dir_of(loc, marker), rank, marker["world_size"])
+    if path in READ_AHEAD:
+        return READ_AHEAD.pop(path)
+    file_io.existing_version_dir(loc, marker)
+    content, found = integrity.split(file_io.torch_load(loc, path), path, loc.url, required="save_id" in marker)
+    if found is not None:
+        integrity.check_identity(found, path, loc.url, marker.get("save_id"), rank, marker["world_size"])
+        integrity.verify(content, found, path, loc.url)
+    return decode_shards(content)
+
+
+
+def _is_encoded_shard(leaf: Any) -> bool:
+    return isinstance(leaf, dict) and "flat_shard" in leaf
+
+
+def decode_shards(tree: Any) -> Any:
+    """Treat encoded shards as leaves again (walk would descend into their dicts)."""
+    if _is_encoded_shard(tree):
+        return FlatShard(tree["flat_shard"], tuple(tree["shape"]), tree["rank"], tree["world_size"],
+                         tree.get("replicas", 1), tree.get("replica_rank", 0))
+    if isinstance(tree, dict):
+        return {k: decode_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [decode_shards(v) for v in tree]
+    return tree
+
+
+def read_whole(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+    """The saved tree with every flat shard whole: the rank files' pieces side by side in rank order
+    (``optimizer=False``: the model only)."""
+    # Hybrid: the first shard group's files hold every shard once ([Note: hybrid layout]).
+    world_size = int(marker.get("shard_group_size", marker["world_size"]))
+    files = [read_rank_file(loc, marker, rank) for rank in range(world_size)]
+    pieces: dict[str, list[FlatShard]] = {}
+    for content in files:
+        for path, leaf in walk(content):
+            if isinstance(leaf, FlatShard):
+                pieces.setdefault("/".join(path), []).append(leaf)
+
+    def whole(path: str, leaf: Any) -> Any:
+        if not isinstance(leaf, FlatShard):
+            return leaf  # rank 0's: buffers, replicated tensors, objects
+        shards = sorted(pieces[path], key=lambda s: s.rank)
+        if [s.rank for s in shards] != list(range(world_size)):
+            raise CheckpointCorruptError(f"Checkpoint {loc.url!r}: the rank files do not all hold {path!r}.")
+        return torch.cat([s.local for s in shards]).reshape(leaf.shape)
+
+    tree = map_with_path(files[0], whole)
+    if not optimizer:
+        tree.pop("optimizer", None)
+    return tree

@@ -1,0 +1,390 @@
+"""``sharded`` mode: torch.distributed.checkpoint (DCP) writes every rank's shards into one directory
+with a ``.metadata`` index; a load at any world size reads the regions it needs. Rank 0 adds
+``objects.pt`` (the non-tensor leaves, the save id and the full shape of every tensor).
+
+The DCP adapter itself (flat chunks, planners, plan cache, parallel and verifying readers) is in
+:mod:`~lightning_zero.checkpoint.dcp_items` and :mod:`~lightning_zero.checkpoint.integrity`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_zero import _compat
+from lightning_zero.checkpoint import dcp_items, file_io, integrity, storage, writeback
+from lightning_zero.checkpoint.dcp_items import (
+    FlatChunk,
+    FlatChunkLoadPlanner,
+    FlatChunkSavePlanner,
+    forget_other_plans,
+    forget_plans,
+    parallel_reads,
+    plan_cache_key,
+    read_threads,
+    tree_signature,
+)
+from lightning_zero.checkpoint.modes import validate_marker_mode
+from lightning_zero.checkpoint.scheduler import checkpointer
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint.team import Team, add_note, make_team, peer_lost, ranks_on_this_node, sendable
+from lightning_zero.checkpoint.tree import (
+    FlatShard,
+    check_same_keys,
+    is_tensor_leaf,
+    map_leaves,
+    map_with_path,
+    tensor_leaves,
+    walk,
+)
+
+
+def save_signature(state: Any) -> int:
+    return tree_signature({"/".join(path): leaf for path, leaf in tensor_leaves(state)})
+
+
+def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_id: str,
+                   signatures: list[int]) -> int:
+    """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
+    objects file, which records the save id (``.metadata`` carries it too) and the full shape of
+    every tensor (flat shards hide it from DCP's metadata). ``signatures``: every rank's
+    :func:`save_signature`, the same list on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    FsspecWriter, _ = _compat.fsspec_storage_classes()
+    tensors, objects = split_for_dcp(state)
+    if loc.is_local:
+        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
+                                                                              thread_count=dcp_items.WRITE_THREADS)
+        writer.fs = writeback.WritebackFileSystem(writer.fs)  # [Note: early writeback]
+    else:  # fsync fails on s3fs streams: durability there comes from the completed upload
+        writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
+                                                            thread_count=dcp_items.WRITE_THREADS, **_fs_options(loc))
+        _same_retries(writer, loc)
+    # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
+    # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
+    spread = _has_replicas(state)
+    cache_key = plan_cache_key(team.global_ranks, spread, signatures)
+    forget_other_plans(cache_key)
+    planner = FlatChunkSavePlanner(spread_replicas=spread, cache_key=cache_key)
+    try:
+        # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
+        # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
+        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
+    except BaseException as exc:
+        forget_plans(cache_key)  # DCP fails every rank together: all of them plan the next save afresh
+        if isinstance(exc, CheckpointException):
+            raise dcp_failure(exc) from exc
+        raise
+    if team.is_coordinator:
+        shapes = {path: list(leaf.shape) for path, leaf in tensor_leaves(state)}
+        objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
+        file_io.torch_save_to(loc, f"{version_dir}/objects.pt", objects)
+    return planner.bytes_planned
+
+
+def _has_replicas(state: Any) -> bool:
+    return any(isinstance(leaf, FlatShard) and leaf.replicas > 1 for _, leaf in walk(state))
+
+
+
+def dcp_failure(exc: CheckpointException) -> Exception:
+    """DCP reports the ranks' errors as one CheckpointException, a BaseException that ``except
+    Exception`` (ours, Lightning's, the user's) misses: the lowest failing rank's own error instead,
+    so a full disk or refused access is classified like any other storage error."""
+    rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+    if isinstance(cause, Exception):
+        return cause
+    return RuntimeError(f"torch.distributed.checkpoint failed on rank {rank}: {cause!r}")
+
+
+def _fs_options(loc: Location) -> dict[str, Any]:
+    return dict(getattr(loc.fs, "storage_options", {}) or {})
+
+
+def _same_retries(dcp_storage: Any, loc: Location) -> None:
+    """DCP's fsspec reader/writer build their own filesystem from the options (a new instance when the
+    cache is skipped): it gets the bounded retries of ``loc.fs`` (see [Note: bounded S3 failures])."""
+    inner = getattr(getattr(dcp_storage, "fs", None), "fs", None)
+    if inner is not None and hasattr(loc.fs, "retries"):
+        inner.retries = loc.fs.retries
+
+
+
+def split_for_dcp(state: Any) -> tuple[dict[str, Any], Any]:
+    """Tensors (FlatShard as a FlatChunk, [Note: flat chunks for DCP]) for DCP, keyed by path; the
+    rest for ``objects.pt``."""
+    tensors: dict[str, Any] = {}
+    for path, leaf in walk(state):
+        key = "/".join(path)
+        if isinstance(leaf, FlatShard):
+            tensors[key] = FlatChunk.of(leaf)
+        elif isinstance(leaf, Tensor):
+            tensors[key] = leaf
+    objects = map_leaves(state, _object_leaf)
+    return tensors, objects
+
+
+def _object_leaf(leaf: Any) -> Any:
+    """What ``objects.pt`` keeps of a leaf: the value, nothing for a tensor (DCP holds it), and the
+    full shape of a flat shard (DCP stores it flattened; readers of the whole checkpoint reshape it)."""
+    if isinstance(leaf, FlatShard):
+        return {"flat_shard_shape": list(leaf.shape)}
+    return None if is_tensor_leaf(leaf) else leaf
+
+
+
+# file system or bucket (twice over in the Trainer's resume, whose key check reads it too). One
+# rank (the team's coordinator) reads it and broadcasts the bytes over the coordination group;
+# every rank unpickles them once (restricted, as the file would be) and its DCP readers use that
+# ``Metadata`` for the rest of the load. The broadcast comes first, where every rank is, before
+# anything that may fail on one rank only, so no rank waits in it for a rank that has left: a
+# failed read there (no marker, no .metadata, an unreachable bucket) is raised on every rank, with
+# a note naming the rank that read. A save still in flight is finalized first: its background
+# collectives run over the same group. The other files (marker, objects file, data) are read by
+# each rank as before.
+_SHARED_METADATA: dict[tuple[str, tuple[int, ...]], tuple[str, Any] | None] = {}
+"""(url, the team's ranks) -> (version directory, its unpickled ``.metadata``), or None where the
+checkpoint is not ``sharded``; held for the duration of :func:`shared_metadata`."""
+
+
+@contextlib.contextmanager
+def shared_metadata(loc: Location, team: Team | None = None) -> Iterator[None]:
+    """(collective over the team when it has more than one rank) Within it, the DCP readers of
+    ``loc`` use ``.metadata`` as the team's coordinator read it ([Note: shared metadata]). Nested
+    uses for the same checkpoint and team share once."""
+    checkpointer().finalize(blocking=True)  # its background collectives use the same group
+    team = team if team is not None else make_team()
+    key = (loc.url, team.global_ranks)
+    if team.world_size == 1 or key in _SHARED_METADATA:
+        yield
+        return
+    read: tuple[str, bytes] | None = None
+    error: BaseException | None = None
+    if team.is_coordinator:
+        try:
+            read = _read_metadata_bytes(loc)
+        except Exception as exc:
+            error = sendable(exc)
+    payload = [(read, error)]
+    try:
+        dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
+    except Exception as exc:  # gloo: a peer died or froze
+        if error is not None:  # the cause, which the others may have timed out waiting for
+            add_note(error, f"Sending it to the other ranks failed too: {type(exc).__name__}: {exc}")
+            raise error  # noqa: B904 - its own cause (the storage error) stays; exc is its context
+        raise peer_lost(exc, loading=True) from exc
+    if error is not None:
+        raise error
+    read, received = payload[0]
+    del payload
+    if received is not None:
+        add_note(received, f"rank {team.coordinator_global} read this checkpoint's .metadata for every rank"
+                            " ([Note: shared metadata]).")
+        raise received
+    # Unpickled here, once, on every rank (the same bytes fail the same way everywhere); the bytes go.
+    _SHARED_METADATA[key] = None if read is None else (read[0], integrity.unpickle_metadata(read[1], loc.url))
+    del read
+    try:
+        yield
+    finally:
+        _SHARED_METADATA.pop(key, None)
+
+
+def _read_metadata_bytes(loc: Location) -> tuple[str, bytes] | None:
+    """(coordinator) The version directory of a ``sharded`` checkpoint and its ``.metadata`` bytes."""
+    marker = storage.read_marker(loc)
+    if marker is None or validate_marker_mode(loc, marker) != "sharded":
+        return None
+    version_dir = file_io.existing_version_dir(loc, marker)
+    reader = dcp_reader(loc, version_dir)
+    with _reading_dcp_metadata(loc):
+        return version_dir, reader.metadata_bytes()
+
+
+def _shared_metadata_of(loc: Location, version_dir: str) -> Any:
+    """The ``Metadata`` :func:`shared_metadata` holds for ``version_dir`` of ``loc``, or None."""
+    for (url, _), shared in _SHARED_METADATA.items():
+        if shared is not None and url == loc.url and shared[0] == version_dir:
+            return shared[1]
+    return None
+
+
+
+def dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    _, FsspecReader = _compat.fsspec_storage_classes()
+
+    def require() -> bool:
+        return require_checksums
+
+    threads = read_threads(ranks_on_this_node())
+    if loc.is_local:
+        reader = parallel_reads(integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(
+            version_dir)
+    else:
+        reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
+            loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
+        _same_retries(reader, loc)
+    reader.shared_metadata = _shared_metadata_of(loc, version_dir)  # [Note: shared metadata]
+    return reader
+
+
+def read_dcp_metadata(loc: Location, reader: Any) -> Any:
+    """A committed DCP directory's metadata; a clear error when it is missing or damaged."""
+    with _reading_dcp_metadata(loc):
+        return reader.read_metadata()
+
+
+@contextlib.contextmanager
+def _reading_dcp_metadata(loc: Location) -> Iterator[None]:
+    """Turn a failed read of ``.metadata`` into an error that says what to do."""
+    try:
+        yield
+    except CheckpointCorruptError:
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"Checkpoint {loc.url!r} is committed but its DCP metadata is missing.") from exc
+    except OSError as exc:
+        raise storage.storage_error(loc, "read", exc) from exc
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"Could not read the DCP metadata of checkpoint {loc.url!r} ({type(exc).__name__}: {exc}); the"
+            " checkpoint is damaged. Resume from another checkpoint."
+        ) from exc
+
+
+def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
+    """A ``sharded`` checkpoint's version directory, objects (checked), integrity header, a verifying
+    DCP reader and its metadata, refused when the metadata belongs to another save."""
+    version_dir = file_io.existing_version_dir(loc, marker)
+    objects_file = f"{version_dir}/objects.pt"
+    objects, found = integrity.split(file_io.torch_load(loc, objects_file), objects_file, loc.url,
+                                     required="save_id" in marker)
+    if found is not None:
+        integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
+        integrity.verify(objects, found, objects_file, loc.url)
+    reader = dcp_reader(loc, version_dir, require_checksums=found is not None and found.get("tensors") is not None)
+    metadata = read_dcp_metadata(loc, reader)
+    save_id = marker.get("save_id")
+    if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:
+        raise CheckpointCorruptError(
+            f"'{version_dir}/.metadata' belongs to another save than checkpoint {loc.url!r} (save id"
+            f" {metadata.storage_meta.save_id!r}, the commit marker says {save_id!r}): it was replaced."
+            " Resume from another checkpoint."
+        )
+    return version_dir, objects, found, reader, metadata
+
+
+def prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
+                     team: Team, strict: bool = True) -> Callable[[], dict[str, Any]]:
+    _, objects, found, reader, metadata = open_sharded(loc, marker)
+    # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
+    # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
+    targets, _ = split_for_dcp(map_leaves(state_dict, _empty_like))
+    check_same_keys(set(targets), set(metadata.state_dict_metadata), loc.url, strict)
+    _read_whole_where_saved_whole(state_dict, targets, metadata)
+    if found is not None:
+        integrity.check_shapes({key: leaf.shape for key, leaf in tensor_leaves(state_dict)}, found["shapes"], loc.url)
+    return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team)
+
+
+def _read_whole_where_saved_whole(state_dict: dict[str, Any], targets: dict[str, Any], metadata: Any) -> None:
+    """A flat shard whose tensor the checkpoint holds whole, in its own shape (saved where no engine
+    existed: after ``validate``, before any ``fit``), is read whole and sliced ([Note: saved whole]).
+
+    [Note: saved whole] A save outside ``fit`` has no engine and so no shards: every parameter is
+    written whole, in its shape. DCP reads any region of a saved tensor but not across shapes, so a
+    2-D weight saved whole does not fill the flat ``[numel]`` chunk a resume asks for; reading the
+    whole tensor (each rank, this case only) and taking this rank's elements does."""
+    for path, leaf in walk(state_dict):
+        key = "/".join(path)
+        saved = metadata.state_dict_metadata.get(key)
+        if (isinstance(leaf, FlatShard) and len(leaf.shape) != 1 and saved is not None
+                and tuple(getattr(saved, "size", ())) == tuple(leaf.shape)):
+            targets[key] = torch.empty(leaf.shape, dtype=leaf.local.dtype, device=leaf.local.device)
+
+
+def _empty_like(leaf: Any) -> Any:
+    if isinstance(leaf, FlatShard):
+        return dataclasses.replace(leaf, local=torch.empty_like(leaf.local))
+    return torch.empty_like(leaf) if isinstance(leaf, Tensor) else leaf
+
+
+def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
+                  objects: dict[str, Any], team: Team) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(), process_group=team.group)
+    except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
+        raise _read_failure(exc, loc) from exc
+    with torch.no_grad():
+        for path, leaf in walk(state_dict):
+            key = "/".join(path)
+            if isinstance(leaf, FlatShard):
+                target = targets[key]
+                if isinstance(target, Tensor):  # [Note: saved whole]
+                    leaf.load_from_full(target)
+                else:
+                    leaf.local.copy_(target.local)
+            elif isinstance(leaf, Tensor):
+                leaf.copy_(targets[key])
+    return objects
+
+
+def _read_failure(exc: CheckpointException, loc: Location) -> Exception:
+    """What a failed DCP read of ``loc``'s data raises: a damaged file as such, a storage error (the
+    store, not the file, failed) as one, anything else as a damaged checkpoint."""
+    cause = dcp_failure(exc)
+    if isinstance(cause, CheckpointCorruptError):
+        return cause
+    if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+        return storage.storage_error(loc, "read", cause)
+    return CheckpointCorruptError(
+        f"Could not read the data of checkpoint {loc.url!r} ({type(cause).__name__}: {cause}); its files are"
+        " damaged or missing. Resume from another checkpoint."
+    )
+
+
+def read_whole(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+    """The saved tree with every tensor whole, read by DCP in this process alone (resharding to one
+    process; ``optimizer=False``: the model only)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _, objects, _, reader, dcp_metadata = open_sharded(loc, marker)
+    metadata = dcp_metadata.state_dict_metadata
+    targets: dict[str, Tensor] = {}
+    for key, md in metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or (not optimizer and key.startswith("optimizer/")):
+            continue
+        targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    try:
+        # The reader that read .metadata (it keeps what it read): DCP's load sets it up for this plan.
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(targets, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:
+        raise _read_failure(exc, loc) from exc
+
+    def whole(path: str, leaf: Any) -> Any:
+        if path not in targets:
+            return leaf
+        if isinstance(leaf, dict) and "flat_shard_shape" in leaf:
+            return targets[path].reshape(leaf["flat_shard_shape"])
+        return targets[path]
+
+    tree = map_with_path(objects, whole, is_leaf=lambda leaf: isinstance(leaf, dict) and "flat_shard_shape" in leaf)
+    if not optimizer:
+        tree.pop("optimizer", None)
+    return tree

@@ -1,0 +1,64 @@
+"""What one checkpoint save cost, as the rank that made it saw it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METRIC_PREFIX = "checkpoint/"
+"""Where :meth:`SaveStats.as_metrics` puts its figures among a logger's metrics."""
+
+
+@dataclass
+class SaveStats:
+    """One save as this rank saw it. Times in seconds, measured with ``time.perf_counter``.
+
+    ``blocked_s`` and ``staging_wait_s`` are what the training thread paid; the other times run on
+    the background thread while training goes on."""
+
+    url: str
+    mode: str
+    step: int | None = None
+    """``global_step`` of the Lightning checkpoint (None for the functional API)."""
+    blocked_s: float = 0.0
+    """The training thread inside the save call (``ZeroLowLevelStrategy.save_checkpoint`` when it made the
+    call: building the tree included, and waiting for the previous save to finalize when it had not)."""
+    staging_wait_s: float = 0.0
+    """How long the next optimizer update waited for this save's tensors to be copied."""
+    staging_s: float = 0.0
+    """Copying the tensors off the live state (background)."""
+    write_s: float = 0.0
+    """Serializing and writing this rank's files (background)."""
+    commit_s: float = 0.0
+    """From the end of this rank's writes until the commit marker is written and every rank knows it."""
+    committed_after_s: float = 0.0
+    """From the save call until committed."""
+    bytes_written: int = 0
+    """Tensor bytes this rank wrote, file overhead excluded (``local``: every tensor of its file;
+    ``sharded``: its shards, and on rank 0 the replicated tensors, which DCP writes once; ``full``: rank 0
+    the whole state, the others 0)."""
+
+    @property
+    def blocked_total_s(self) -> float:
+        """Everything the training loop waited for this save."""
+        return self.blocked_s + self.staging_wait_s
+
+    @property
+    def throughput_mb_s(self) -> float:
+        """This rank's write rate, MB (10^6 bytes) per second of ``write_s``."""
+        return self.bytes_written / self.write_s / 1e6 if self.write_s > 0 else 0.0
+
+    def as_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+        """The figures as logger metrics (milliseconds for times)."""
+        metrics = {
+            "blocked_ms": self.blocked_s * 1e3,
+            "staging_wait_ms": self.staging_wait_s * 1e3,
+            "staging_ms": self.staging_s * 1e3,
+            "write_ms": self.write_s * 1e3,
+            "commit_ms": self.commit_s * 1e3,
+            "committed_after_ms": self.committed_after_s * 1e3,
+            "bytes": float(self.bytes_written),
+            "throughput_mb_s": self.throughput_mb_s,
+        }
+        if self.step is not None:
+            metrics["step"] = float(self.step)
+        return {f"{prefix}{name}": value for name, value in metrics.items()}
