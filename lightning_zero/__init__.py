@@ -6,12 +6,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero._lightning_fixes import install_checkpoint_reader
 from lightning_zero.checkpoint import ZeroCheckpointIO
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.fabric import register_fabric_strategies
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.optimizer_kinds import register_optimizer
 from lightning_zero.sharding import EvenShard
 from lightning_zero.strategy import ZeroLowLevelStrategy
 
 ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
+register_fabric_strategies()  # Fabric(strategy="zero2")
 install_checkpoint_reader()  # LightningModule.load_from_checkpoint reads local/sharded checkpoints
 
 __all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",

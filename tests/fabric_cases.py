@@ -1,0 +1,248 @@
+"""Fabric loops run on N gloo ranks through ``Fabric(strategy="zero1"/"zero2")``, and their plain-PyTorch
+reference in one process (tests/test_fabric.py, tests/test_fabric_checkpoint.py).
+
+Each rank runs in a process made by tests/_dist.py, whose process group Fabric finds already initialized;
+the environment is torchrun's, so ``fabric.launch()`` starts no process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from engine_cases import Net, make_optimizer
+from lightning.fabric import Fabric
+
+from lightning_zero.checkpoint import ZeroCheckpointIO
+
+GLOBAL_ROWS = 12
+"""Rows of every global batch: divides by 1, 2 and 3 ranks, so any of them sees the same batch."""
+
+
+@dataclass(frozen=True)
+class FabricCase:
+    strategy: str = "zero2"
+    optimizer: str = "adamw"
+    steps: int = 4
+    accumulate: int = 1
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    scheduler: bool = True
+    precision: str = "32-true"
+    setup: str = "joint"
+    """``joint``: ``fabric.setup(model, optimizer)``; ``separate``: ``setup_module`` then ``setup_optimizers``."""
+    bucket_size_mb: float | None = 0.0005  # several buckets even for this tiny model
+    branch_on_rank0_only: bool = False
+    """Only rank 0's slice takes ``Net.branch`` (a parameter with a gradient on some ranks only)."""
+
+
+def global_batch(step: int, micro: int, rank0_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same global batch at every world size: every row takes ``Net.branch`` (its first input is positive),
+    so the data-dependent path does not depend on how the batch is split; ``Net.dropped`` stays unused.
+    ``rank0_rows``: only the first that many rows (rank 0's slice) take the branch."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(GLOBAL_ROWS, 7, generator=g)
+    x[:, 0] = x[:, 0].abs() + 0.1
+    if rank0_rows:
+        x[rank0_rows:, 0] = -x[rank0_rows:, 0]
+    return x, torch.randn(GLOBAL_ROWS, 7, generator=g)
+
+
+def case_batch(case: FabricCase, step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return global_batch(step, micro, GLOBAL_ROWS // world_size if case.branch_on_rank0_only else 0)
+
+
+def make_fabric(rank: int, world_size: int, strategy: Any, precision: str | None = "32-true",
+                plugins: list[Any] | None = None) -> Fabric:
+    """A launched Fabric in this rank's process (torchrun's environment: no process is started)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK="0",
+                      NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_RUN_ID="fabric-test")
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision,  # type: ignore[arg-type]
+                    plugins=plugins)
+    fabric.launch()
+    return fabric
+
+
+def _strategy(case: FabricCase) -> Any:
+    from lightning_zero.fabric import ZeroLowLevelStrategy
+
+    if case.strategy in ("zero1", "zero2"):
+        return ZeroLowLevelStrategy(stage=int(case.strategy[-1]), bucket_size_mb=case.bucket_size_mb)  # type: ignore[arg-type]
+    return case.strategy
+
+
+def _precision_plugins(case: FabricCase) -> tuple[str | None, list[Any] | None]:
+    if case.precision == "16-mixed":
+        # Fabric turns the string into bf16-mixed on CPU; the plugin itself keeps fp16 and its scaler.
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        return None, [MixedPrecision("16-mixed", device="cpu")]
+    return case.precision, None
+
+
+def fresh_model(rank: int) -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    if rank != 0:  # setup must give every rank rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    return model
+
+
+@dataclass
+class Loop:
+    fabric: Fabric
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    raw_optimizer: torch.optim.Optimizer
+
+
+def set_up(rank: int, world_size: int, case: FabricCase, plugins: list[Any] | None = None) -> Loop:
+    precision, precision_plugins = _precision_plugins(case)
+    fabric = make_fabric(rank, world_size, _strategy(case), precision, [*(precision_plugins or []), *(plugins or [])])
+    model = fresh_model(rank)
+    if case.setup == "joint":
+        raw = make_optimizer(case.optimizer, model)
+        scheduler = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.7) if case.scheduler else None
+        fmodel, foptimizer = fabric.setup(model, raw)
+    else:
+        fmodel = fabric.setup_module(model)
+        raw = make_optimizer(case.optimizer, fmodel.module)
+        scheduler = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.7) if case.scheduler else None
+        foptimizer = fabric.setup_optimizers(raw)
+    return Loop(fabric, fmodel, foptimizer, scheduler, raw)
+
+
+def train_steps(loop: Loop, case: FabricCase, rank: int, world_size: int, start: int, stop: int) -> list[float]:
+    fabric, model, optimizer = loop.fabric, loop.model, loop.optimizer
+    norms = []
+    for step in range(start, stop):
+        optimizer.zero_grad()
+        for micro in range(case.accumulate):
+            x, y = case_batch(case, step, micro, world_size)
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            with fabric.no_backward_sync(model, enabled=micro < case.accumulate - 1):
+                loss = F.mse_loss(model(xs).float(), ys) / case.accumulate
+                fabric.backward(loss)
+        if case.clip_norm is not None:
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=case.clip_norm)))
+        if case.clip_value is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=case.clip_value)
+        optimizer.step()
+        if loop.scheduler is not None:
+            loop.scheduler.step()
+    return norms
+
+
+def params_of(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def run_fabric(rank: int, world_size: int, case: FabricCase) -> dict[str, Any]:
+    loop = set_up(rank, world_size, case)
+    norms = train_steps(loop, case, rank, world_size, 0, case.steps)
+    params = params_of(loop.model)
+    strategy = loop.fabric.strategy
+    engine = strategy.engines[0]
+    result = {
+        "params": params,
+        "norms": norms,
+        "shard_numel": strategy.optimizer_shard_numel,
+        "master_dtypes": sorted({str(sp.master.dtype) for sp in engine.sharded_params.values()}),
+        "params_are_masters": all(
+            torch.equal(sp.master.to(sp.param.dtype), sp.param.detach().reshape(-1)[sp.layout.local_slice(sp.rank)])
+            for sp in engine.sharded_params.values()),
+        "scaler": type(getattr(strategy.precision, "scaler", None)).__name__,
+    }
+    strategy.teardown()
+    return result
+
+
+def run_fabric_cases(rank: int, world_size: int, cases: dict[str, FabricCase]) -> dict[str, dict[str, Any]]:
+    """All cases in one process group: starting ranks is the slow part on 2 cores."""
+    return {name: run_fabric(rank, world_size, case) for name, case in cases.items()}
+
+
+def run_reference(case: FabricCase, world_size: int = 1) -> dict[str, Any]:
+    """Plain PyTorch, one process, on the global batch (the loss of N equal slices averaged)."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(case.optimizer, model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7) if case.scheduler else None
+    norms = []
+    for step in range(case.steps):
+        optimizer.zero_grad()
+        for micro in range(case.accumulate):
+            x, y = case_batch(case, step, micro, world_size)
+            loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
+            (loss / world_size / case.accumulate).backward()
+        if case.clip_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)))
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def run_save_and_continue(rank: int, world_size: int, case: FabricCase, mode: str, path: str, save_at: int,
+                          async_save: bool = True) -> dict[str, Any]:
+    """Train ``case.steps`` steps without interruption, saving at ``save_at``; returns the final weights."""
+    loop = set_up(rank, world_size, case, plugins=[ZeroCheckpointIO(mode=mode, async_save=async_save)])  # type: ignore[arg-type]
+    train_steps(loop, case, rank, world_size, 0, save_at)
+    state = {"model": loop.model, "optimizer": loop.optimizer, "scheduler": loop.scheduler, "step": save_at,
+             "note": {"text": "fabric", "values": [1, 2]}}
+    loop.fabric.save(path, state)
+    saved_params = params_of(loop.model)
+    train_steps(loop, case, rank, world_size, save_at, case.steps)
+    params = params_of(loop.model)
+    loop.fabric.strategy.teardown()
+    return {"params": params, "saved_params": saved_params}
+
+
+def run_load_and_continue(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:
+    """A fresh loop (another world size allowed) loads ``path`` and trains to ``case.steps``."""
+    loop = set_up(rank, world_size, case)
+    state: dict[str, Any] = {"model": loop.model, "optimizer": loop.optimizer, "scheduler": loop.scheduler, "step": 0}
+    remainder = loop.fabric.load(path, state)
+    loaded_params = params_of(loop.model)
+    start = state["step"]
+    lr = [group["lr"] for group in loop.raw_optimizer.param_groups]
+    train_steps(loop, case, rank, world_size, start, case.steps)
+    params = params_of(loop.model)
+    loop.fabric.strategy.teardown()
+    return {"params": params, "loaded_params": loaded_params, "start": start, "remainder": remainder, "lr": lr}
+
+
+def run_load_weights_only(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:
+    """``fabric.load(path, {"model": model})``: weights only, the optimizer keeps its (empty) state; and
+    ``fabric.load_raw`` into a module set up without an optimizer."""
+    loop = set_up(rank, world_size, case)
+    remainder = loop.fabric.load(path, {"model": loop.model}, strict=False)
+    optimizer_state = sum(len(s) for s in loop.optimizer.optimizer.state.values())
+    weights = params_of(loop.model)
+    loop.fabric.strategy.teardown()
+    fabric = make_fabric(rank, world_size, _strategy(case))
+    module = fabric.setup_module(fresh_model(rank))
+    fabric.load_raw(path, module)
+    raw_weights = params_of(module)
+    return {"weights": weights, "raw_weights": raw_weights, "optimizer_state": optimizer_state,
+            "remainder_keys": sorted(remainder)}
+
+
+def run_filtered_save(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:
+    """``fabric.save(..., filter={"model": ...})`` keeps only what the filter keeps."""
+    loop = set_up(rank, world_size, case, plugins=[ZeroCheckpointIO(mode="sharded", async_save=False)])
+    train_steps(loop, case, rank, world_size, 0, 1)
+    loop.fabric.save(path, {"model": loop.model, "step": 1}, filter={"model": lambda name, _: "head" in name})
+    loop.fabric.strategy.teardown()
+    return {}
