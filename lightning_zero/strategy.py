@@ -34,11 +34,11 @@ from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import saver, storage, team
+from lightning_zero.checkpoint import saver, team
 from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint import trainer as ckpt_trainer
 from lightning_zero.checkpoint.metrics import CheckpointMetrics
-from lightning_zero.checkpoint.modes import full, sharded
+from lightning_zero.checkpoint.modes import full
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 from lightning_zero.engine import ZeroConfig, ZeroEngine
@@ -479,13 +479,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._loaded_by_strategy = False
             pending.clear()
             if engine is None:
-                # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads a
-                # sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
-                sharing = sharded.shared_metadata(storage.resolve(candidate, options)) if isinstance(
-                    io, ZeroCheckpointIO) else contextlib.nullcontext()
-                with sharing:
-                    return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
-                                                     apply=not hook_first)
+                # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads the marker
+                # and a sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
+                return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
+                                                 apply=not hook_first, shared=isinstance(io, ZeroCheckpointIO))
             return ckpt_trainer.load_zero_state_local(engine, module, candidate, options, strict=strict,
                                                       may_lack=may_lack, pending=pending if hook_first else None)
 

@@ -542,3 +542,38 @@ def adapter_reference(world_sizes: list[int]) -> dict[str, torch.Tensor]:
             (sum(losses) / world_size).backward()
             optimizer.step()
     return _weights(module)
+
+
+def marker_reads(rank: int, world_size: int, root: str, mode: str) -> dict[str, Any]:
+    """A fit that saves in ``mode``, then a fit resumed from that checkpoint and a validate from it, each
+    in a fresh Trainer, counting this rank's reads of the commit marker in each (issue 17: a load reads
+    the marker once per rank at most; the team's coordinator reads it for every rank)."""
+    from lightning_zero.checkpoint import storage
+
+    as_torchrun(rank, world_size)
+    trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=2)
+    trainer.fit(EvalNet(), loader(2, 1, world_size))
+    path = f"{root}/{mode}.ckpt"
+    trainer.save_checkpoint(path)
+    reads: list[str] = []
+    original = storage.read_marker
+
+    def counted(loc: Any) -> Any:
+        reads.append(loc.url)
+        return original(loc)
+
+    storage.read_marker = counted  # type: ignore[assignment]
+    counts: dict[str, int] = {}
+    try:
+        resumed = make_trainer(world_size, "zero", root, mode=mode, max_steps=3)
+        reads.clear()
+        resumed.fit(EvalNet(), loader(3, 1, world_size), ckpt_path=path)
+        counts["resume"] = sum(url.endswith(f"{mode}.ckpt") for url in reads)
+        validating = make_trainer(world_size, "zero", root, mode=mode)
+        reads.clear()
+        validating.validate(EvalNet(), loader(1, 1, world_size), ckpt_path=path, verbose=False)
+        counts["validate"] = sum(url.endswith(f"{mode}.ckpt") for url in reads)
+        counts["resumed_step"] = resumed.global_step
+    finally:
+        storage.read_marker = original  # type: ignore[assignment]
+    return counts

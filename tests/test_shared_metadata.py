@@ -53,7 +53,8 @@ def test_a_coordinator_that_cannot_read_the_metadata_fails_every_rank_with_its_e
         assert "Input/output error" in error["error"], error
         assert error["untouched"], rank
     assert errors[1]["error"] == errors[0]["error"]
-    assert any("rank 0 read this checkpoint's .metadata for every rank" in note for note in errors[1]["notes"])
+    assert any("rank 0 read this checkpoint's commit marker and .metadata for every rank" in note
+               for note in errors[1]["notes"])
 
 
 def test_a_rank_that_cannot_read_the_metadata_still_loads_it_from_the_coordinator(
@@ -63,3 +64,16 @@ def test_a_rank_that_cannot_read_the_metadata_still_loads_it_from_the_coordinato
         assert loaded["error"] is None, loaded["error"]
         assert_same_state(loaded["loaded"], results[0]["saved"], f"rank {rank}")
     assert [result["unreadable_on_1"]["opens"] for result in results] == [1, 0]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "local"])
+def test_a_resume_and_a_validate_read_the_commit_marker_once_on_the_coordinator_only(tmp_path: Any,
+                                                                                     mode: str) -> None:
+    """Through the Trainer, each in a fresh Trainer: the checkpoint is opened once per load, and its
+    coordinator's read of the marker is broadcast with ``.metadata`` (it was read 3 to 4 times per rank)."""
+    from contract_cases import marker_reads
+
+    results = run_distributed(marker_reads, 2, str(tmp_path), mode, start_method="forkserver")
+    assert [r["resumed_step"] for r in results] == [3, 3]
+    assert [r["resume"] for r in results] == [1, 0], results
+    assert [r["validate"] for r in results] == [1, 0], results

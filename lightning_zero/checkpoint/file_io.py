@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint import storage, writeback
-from lightning_zero.checkpoint.modes import Mode
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
 
 
-def preflight(loc: Location, mode: Mode, rank: int) -> str | None:
+def preflight(loc: Location, mode: str, rank: int) -> str | None:
     """This rank's reason it cannot write ``loc`` (a read-only or refused path), found before any
     checkpoint data is written; None when it can. Object stores have no directories to probe: their
     refusals come from the first upload, which every rank then reports at exchange (3)."""

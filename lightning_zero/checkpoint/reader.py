@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint import storage
-from lightning_zero.checkpoint.modes import full, local, sharded, validate_marker_mode
+from lightning_zero.checkpoint.modes import OpenedCheckpoint, full, local, sharded
+from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.trainer_state import read_trainer_state
 
@@ -35,13 +36,15 @@ def read_zero_tree(checkpoint_id: str, storage_options: dict[str, Any] | None = 
     """The tree a ``local`` or ``sharded`` checkpoint was saved from, with whole tensors.
 
     ``optimizer=False`` reads only the model (evaluation needs no optimizer state)."""
-    loc = storage.resolve(checkpoint_id, storage_options)
-    marker = storage.read_marker(loc)
-    if marker is None:
-        raise ValueError(f"{loc.url!r} is a 'full' checkpoint file; read it with torch.load.")
-    if validate_marker_mode(loc, marker) == "local":
-        return local.read_whole(loc, marker, optimizer)
-    return sharded.read_whole(loc, marker, optimizer)
+    return _zero_tree(open_checkpoint(checkpoint_id, storage_options), optimizer)
+
+
+def _zero_tree(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
+    if opened.mode == "full":
+        raise ValueError(f"{opened.url!r} is a 'full' checkpoint file; read it with torch.load.")
+    if opened.mode == "local":
+        return local.read_whole(opened, optimizer)
+    return sharded.read_whole(opened, optimizer)
 
 
 def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, Any]:
@@ -100,10 +103,14 @@ def _dtype(name: str | None) -> torch.dtype | None:
 def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
                               optimizer: bool = True) -> dict[str, Any]:
     """Any checkpoint of this package (or an ordinary Lightning file) in Lightning's format, whole."""
-    loc = storage.resolve(checkpoint_id, storage_options)
-    if storage.read_marker(loc) is None:
-        return full.read_full(checkpoint_id, storage_options)
-    return to_lightning(read_zero_tree(checkpoint_id, storage_options, optimizer=optimizer), optimizer=optimizer)
+    return read_opened(open_checkpoint(checkpoint_id, storage_options), optimizer=optimizer)
+
+
+def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True) -> dict[str, Any]:
+    """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
+    if opened.mode == "full":
+        return full.read_full_checked(opened.loc)
+    return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer)
 
 
 def is_zero_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> bool:

@@ -32,11 +32,12 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint import file_io, storage
-from lightning_zero.checkpoint.modes import Mode, full, local, sharded, validate_marker_mode, validate_mode
+from lightning_zero.checkpoint.modes import Mode, OpenedCheckpoint, full, local, sharded, validate_mode
+from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.scheduler import CheckpointSaveError, checkpointer, replace_after_fork
 from lightning_zero.checkpoint.staging import ready_event
 from lightning_zero.checkpoint.stats import SaveStats
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.team import (
     Team,
     all_gather_objects,
@@ -67,7 +68,6 @@ def _forget_after_fork() -> None:
     kept referenced, never destroyed here: a process group's destructor would wait for threads that
     do not exist in this process."""
     _INHERITED.extend([replace_after_fork(), forget_group_after_fork()])
-    local.READ_AHEAD.clear()
 
 
 _INHERITED: list[Any] = []
@@ -311,70 +311,62 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     ``state_dict``'s are ignored (every leaf of ``state_dict`` must still be in it).
     """
     team = make_team(process_group, coordinator_rank)
-    loc = storage.resolve(checkpoint_id, storage_options)
-    with sharded.shared_metadata(loc, team):  # finalizes the save in flight first
-        error: BaseException | None = None
-        finish: Callable[[], dict[str, Any]] | None = None
-        try:
-            finish = _prepare_load(state_dict, loc, team, strict)
-        except Exception as exc:
-            error = exc
-        fail_together(error, loc, team)
-        assert finish is not None
-        return finish()
+    opened = open_checkpoint(checkpoint_id, storage_options, team=team)  # finalizes the save in flight first
+    return load_opened(state_dict, opened, team=team, strict=strict)
 
 
-# [Note: shared metadata]
-# A ``sharded`` checkpoint's ``.metadata`` lists every item of every rank: ~110 MB at 1024 ranks
+def load_opened(state_dict: dict[str, Any], opened: OpenedCheckpoint, *, team: Team | None = None,
+                strict: bool = True) -> dict[str, Any]:
+    """:func:`load` from a checkpoint already opened for this load (``opening.open_checkpoint``, over the
+    same ``team``): its marker and ``.metadata`` are not read again."""
+    team = team if team is not None else make_team()
+    error: BaseException | None = None
+    finish: Callable[[], dict[str, Any]] | None = None
+    try:
+        finish = _prepare_load(state_dict, opened, team, strict)
+    except Exception as exc:
+        error = exc
+    fail_together(error, opened.loc, team)
+    assert finish is not None
+    return finish()
 
 
-def _prepare_load(state_dict: dict[str, Any], loc: Location, team: Team,
+def _prepare_load(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
                   strict: bool = True) -> Callable[[], dict[str, Any]]:
     """Read and check without touching ``state_dict``; returns what completes the load."""
-    marker = storage.read_marker(loc)
-    if marker is None:
+    loc = opened.loc
+    if opened.mode == "full":
         content = full.read_full_checked(loc)
         _check_into(state_dict, content, loc.url, loc.path, strict)
         return lambda: _copy_into(state_dict, content, loc.url)
-    mode = marker.get("mode")
-    if mode == "local":
-        content = local.read_local(loc, marker, shard_group_size=shard_group_size_of(state_dict, team.world_size),
-                              team=team)
-        _check_into(state_dict, content, loc.url, local.rank_file(version_dir_of(loc, marker), team.rank, team.world_size),
+    if opened.mode == "local":
+        content = local.read_local(opened, shard_group_size=shard_group_size_of(state_dict, team.world_size),
+                                   team=team)
+        _check_into(state_dict, content, loc.url, local.rank_file(opened.version_dir, team.rank, team.world_size),
                     strict)
         return lambda: _copy_into(state_dict, content, loc.url)
-    if mode == "sharded":
-        return sharded.prepare_sharded(state_dict, loc, marker, team, strict)
-    raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}.")
+    return sharded.prepare_sharded(state_dict, opened, team, strict)
 
 
-def saved_tensor_keys(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> set[str]:
-    """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds."""
-    loc = storage.resolve(checkpoint_id, storage_options)
-    marker = storage.read_marker(loc)
+def saved_tensor_keys(opened: OpenedCheckpoint) -> set[str]:
+    """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds. A ``local`` one is read from
+    this rank's own file when the world size matches (kept in ``opened`` for the load that follows),
+    rank 0's otherwise (the load will refuse the world size with a clear message)."""
+    marker = opened.marker
     if marker is None:
-        raise ValueError(f"{loc.url!r} is a 'full' checkpoint; read it with load().")
-    if marker.get("mode") == "sharded":
-        return set(sharded.read_dcp_metadata(loc, sharded.dcp_reader(loc, version_dir_of(loc, marker))).state_dict_metadata)
+        raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
+    if opened.mode == "sharded":
+        return set(sharded.read_dcp_metadata(opened.loc, sharded.dcp_reader(opened)).state_dict_metadata)
     rank, world_size = world()
-    # This rank's own file when the world size matches (the load that follows then reuses it),
-    # rank 0's otherwise (the load will refuse the world size with a clear message).
     hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
     reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
-    content = local.read_local(loc, marker, reader_rank)
-    local.READ_AHEAD.clear()  # at most one file held
-    local.READ_AHEAD[local.rank_file(version_dir_of(loc, marker), reader_rank, marker["world_size"])] = content
+    content = local.read_rank_file(opened, reader_rank, keep=True)
     return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
 
 
 def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> Mode:
-    loc = storage.resolve(checkpoint_id, storage_options)
-    marker = storage.read_marker(loc)
-    if marker is None:
-        return "full"
-    return validate_marker_mode(loc, marker)
-
-
+    """``local``, ``sharded`` or ``full`` (a file without a commit marker)."""
+    return open_checkpoint(checkpoint_id, storage_options).mode
 
 
 def _check_into(target: Any, source: Any, url: str, file: str, strict: bool = True) -> None:

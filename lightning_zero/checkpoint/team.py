@@ -191,6 +191,36 @@ def checked_on_every_rank(check: Callable[[], T], loc: Location, team: Team | No
     return result  # type: ignore[return-value]
 
 
+def from_coordinator(read: Callable[[], T], team: Team, what: str) -> T:
+    """(collective over the team) ``read()`` on the team's coordinator only; its result on every rank, or
+    its error raised on every rank with a note naming the rank that read ``what``.
+
+    The broadcast is where every rank is, before anything that may fail on one rank only, so no rank
+    waits in it for a rank that has left."""
+    result: T | None = None
+    error: BaseException | None = None
+    if team.is_coordinator:
+        try:
+            result = read()
+        except Exception as exc:
+            error = sendable(exc)
+    payload = [(result, error)]
+    try:
+        dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
+    except Exception as exc:  # gloo: a peer died or froze
+        if error is not None:  # the cause, which the others may have timed out waiting for
+            add_note(error, f"Sending it to the other ranks failed too: {type(exc).__name__}: {exc}")
+            raise error  # noqa: B904 - its own cause (the storage error) stays; exc is its context
+        raise peer_lost(exc, loading=True) from exc
+    if error is not None:
+        raise error
+    result, received = payload[0]
+    if received is not None:
+        add_note(received, f"rank {team.coordinator_global} read {what} for every rank ([Note: shared metadata]).")
+        raise received
+    return result  # type: ignore[return-value]
+
+
 def release_group() -> None:
     """Destroy the coordination group (the next save or load makes it again, collectively)."""
     global _coordination_group

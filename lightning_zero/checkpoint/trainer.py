@@ -34,10 +34,11 @@ from torch import Tensor, nn
 
 from lightning_zero.checkpoint import saver, storage
 from lightning_zero.checkpoint import state as ckpt_state
-from lightning_zero.checkpoint.modes import full, sharded
-from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_lightning_checkpoint
+from lightning_zero.checkpoint.modes import full
+from lightning_zero.checkpoint.opening import open_checkpoint
+from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_opened
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.team import fail_together
+from lightning_zero.checkpoint.team import fail_together, make_team
 from lightning_zero.checkpoint.trainer_state import (
     MARKER_FIELDS,
     TREE_TAG,
@@ -174,60 +175,59 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
     (``full``), and a :class:`PendingWeights` appended to the list says how to finish with
     :func:`apply_pending_weights`; the key checks wait for it too."""
     options = storage_options or {}
-    loc = storage.resolve(checkpoint_id, options)
-    # [Note: shared metadata] in saver.py: a sharded checkpoint's .metadata is read by rank 0 only,
-    # for the key check and the load below.
-    with sharded.shared_metadata(loc):
-        # Everything that can fail on one rank only (a file it cannot read, another model) fails before
-        # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
-        # coordination group) while another has already left for the caller's agreement.
-        error: BaseException | None = None
-        mode: str = "full"
-        keys: set[str] = set()
-        try:
-            mode = saver.read_mode(checkpoint_id, options)
-            if mode == "full":
-                content = full.read_full(checkpoint_id, options)
-            else:
-                keys = saver.saved_tensor_keys(checkpoint_id, options)
-        except Exception as exc:
-            error = exc
-        fail_together(error, loc)
+    # Opened once for the whole load: the team's coordinator reads the marker and a sharded
+    # checkpoint's .metadata for every rank ([Note: shared metadata] in opening.py).
+    opened = open_checkpoint(checkpoint_id, options, team=make_team())
+    loc = opened.loc
+    # Everything that can fail on one rank only (a file it cannot read, another model) fails before
+    # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
+    # coordination group) while another has already left for the caller's agreement.
+    error: BaseException | None = None
+    mode = opened.mode
+    keys: set[str] = set()
+    try:
         if mode == "full":
-            if "state_dict" in content and pending is not None:
-                pending.append(PendingWeights(checkpoint_id, options, full=content))
-                return content
-            if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
-                keep_own_values(module, content["state_dict"], checkpoint_id, strict, may_lack)
-                ckpt_state.load_full_into_engine(engine, module, content, strict=strict,
-                                                 masters=content.get(MASTERS_KEY))
-                return content
-            keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
-        for index, optimizer in enumerate(engine.optimizers):
-            ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
-        tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
-        if not any(k.startswith("optimizer/") for k in keys):
-            tree.pop("optimizer")
-        saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
-        record = None
-        if pending is not None:  # by name, leniently: the hook decides what stays ([Note: hook before weights])
-            lacking = set(tree["model"]) - saved_model
-            record = PendingWeights(checkpoint_id, options, loaded=set(tree["model"]) & saved_model)
-            record.own = _own_values(engine, module, record.loaded)
+            content = full.read_full_checked(loc)
         else:
-            lacking = missing_weights(set(tree["model"]), saved_model, checkpoint_id, strict, may_lack)
-        for fqn in lacking:
-            del tree["model"][fqn]  # its master keeps the module's value
-        objects = saver.load(tree, checkpoint_id, storage_options=options, strict=strict and record is None)
-        for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
-            ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
-        content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
-        if record is None:
-            return {**content, "state_dict": module.state_dict()}
-        state_dict = _placeholders(module, saved_model, record)
-        assert pending is not None
-        pending.append(record)
-        return {**content, "state_dict": state_dict}
+            keys = saver.saved_tensor_keys(opened)
+    except Exception as exc:
+        error = exc
+    fail_together(error, loc)
+    if mode == "full":
+        if "state_dict" in content and pending is not None:
+            pending.append(PendingWeights(checkpoint_id, options, full=content))
+            return content
+        if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
+            keep_own_values(module, content["state_dict"], checkpoint_id, strict, may_lack)
+            ckpt_state.load_full_into_engine(engine, module, content, strict=strict,
+                                             masters=content.get(MASTERS_KEY))
+            return content
+        keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
+    for index, optimizer in enumerate(engine.optimizers):
+        ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
+    tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
+    if not any(k.startswith("optimizer/") for k in keys):
+        tree.pop("optimizer")
+    saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
+    record = None
+    if pending is not None:  # by name, leniently: the hook decides what stays ([Note: hook before weights])
+        lacking = set(tree["model"]) - saved_model
+        record = PendingWeights(checkpoint_id, options, loaded=set(tree["model"]) & saved_model)
+        record.own = _own_values(engine, module, record.loaded)
+    else:
+        lacking = missing_weights(set(tree["model"]), saved_model, checkpoint_id, strict, may_lack)
+    for fqn in lacking:
+        del tree["model"][fqn]  # its master keeps the module's value
+    objects = saver.load_opened(tree, opened, strict=strict and record is None)
+    for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
+        ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+    content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
+    if record is None:
+        return {**content, "state_dict": module.state_dict()}
+    state_dict = _placeholders(module, saved_model, record)
+    assert pending is not None
+    pending.append(record)
+    return {**content, "state_dict": state_dict}
 
 
 # [Note: hook before weights]
@@ -380,12 +380,16 @@ def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: s
 
 @torch.no_grad()
 def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
-                 strict: bool = True, may_lack: frozenset[str] = frozenset(), apply: bool = True) -> dict[str, Any]:
+                 strict: bool = True, may_lack: frozenset[str] = frozenset(), apply: bool = True,
+                 shared: bool = False) -> dict[str, Any]:
     """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
     from any mode and at any world size; no optimizer state. Returns Lightning's part. ``strict`` and
     ``may_lack`` as in :func:`load_zero_state_local`. ``apply=False``: the weights are only returned, in
-    ``state_dict`` (the exact masters where kept), for the module's ``on_load_checkpoint`` to see first."""
-    content = read_lightning_checkpoint(checkpoint_id, storage_options, optimizer=False)
+    ``state_dict`` (the exact masters where kept), for the module's ``on_load_checkpoint`` to see first.
+    ``shared`` (collective: every rank loads the same checkpoint): rank 0 reads the commit marker and a
+    sharded checkpoint's ``.metadata`` for every rank ([Note: shared metadata] in opening.py)."""
+    opened = open_checkpoint(checkpoint_id, storage_options, team=make_team() if shared else None)
+    content = read_opened(opened, optimizer=False)
     state_dict = dict(content["state_dict"])
     masters = content.get(MASTERS_KEY) or {}
     params = dict(module.named_parameters())

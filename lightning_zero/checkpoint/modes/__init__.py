@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint import file_io
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
 
 Mode = Literal["local", "sharded", "full"]
 MODES: tuple[Mode, ...] = ("local", "sharded", "full")
@@ -22,3 +24,37 @@ def validate_marker_mode(loc: Location, marker: dict[str, Any]) -> Mode:
     if mode not in MODES:
         raise CheckpointCorruptError(f"Commit marker {loc.url!r} names unknown mode {mode!r}; it is damaged.")
     return mode  # type: ignore[return-value]
+
+
+@dataclass
+class OpenedCheckpoint:
+    """One checkpoint as one load sees it, built once per load (``opening.open_checkpoint``) and handed
+    to every read of that load: its location resolved once, its commit marker read once (None for a
+    ``full`` file), and what one read found that a later one reuses."""
+
+    loc: Location
+    marker: dict[str, Any] | None
+    mode: Mode
+    metadata: Any = None
+    """``sharded``: the DCP ``Metadata`` the team's coordinator read for every rank ([Note: shared
+    metadata] in opening.py); None: each DCP reader reads ``.metadata`` itself."""
+    read_ahead: dict[str, Any] = field(default_factory=dict)
+    """``local``: rank files already read and verified (the key check reads the file the load uses)."""
+    _version_dir_checked: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.loc.url
+
+    @property
+    def version_dir(self) -> str:
+        assert self.marker is not None, "a full checkpoint has no version directory"
+        return version_dir_of(self.loc, self.marker)
+
+    def existing_version_dir(self) -> str:
+        """The version directory, checked to exist (once per load)."""
+        assert self.marker is not None
+        if not self._version_dir_checked:
+            file_io.existing_version_dir(self.loc, self.marker)
+            self._version_dir_checked = True
+        return self.version_dir

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint import file_io, integrity
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.modes import OpenedCheckpoint
+from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
 from lightning_zero.checkpoint.team import Team, world
 from lightning_zero.checkpoint.tree import FlatShard, map_leaves, map_with_path, walk
 
@@ -39,18 +40,14 @@ def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_si
 
 
 
-READ_AHEAD: dict[str, Any] = {}
-"""A rank file read (and verified) by ``saver.saved_tensor_keys``, handed to the load that follows (read once)."""
-
-
-def read_local(loc: Location, marker: dict[str, Any], rank: int | None = None,
-                shard_group_size: int | None = None, team: Team | None = None) -> Any:
+def read_local(opened: OpenedCheckpoint, rank: int | None = None, shard_group_size: int | None = None,
+               team: Team | None = None) -> Any:
     """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
     replica groups of the same ``shard_group_size``: see :func:`_check_local_world`), checked."""
     own_rank, world_size = (team.rank, team.world_size) if team is not None else world()
     if rank is None or rank == own_rank:
-        _check_local_world(loc, marker, world_size, shard_group_size)
-    return read_rank_file(loc, marker, own_rank if rank is None else rank)
+        _check_local_world(opened.loc, opened.marker, world_size, shard_group_size)
+    return read_rank_file(opened, own_rank if rank is None else rank)
 
 
 def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, shard_group_size: int | None) -> None:
@@ -86,18 +83,25 @@ def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, s
     )
 
 
-def read_rank_file(loc: Location, marker: dict[str, Any], rank: int) -> Any:
+def read_rank_file(opened: OpenedCheckpoint, rank: int, keep: bool = False) -> Any:
     """Rank ``rank``'s file of a ``local`` checkpoint, checked to belong to this checkpoint and this
-    rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves."""
-    path = rank_file(version_dir_of(loc, marker), rank, marker["world_size"])
-    if path in READ_AHEAD:
-        return READ_AHEAD.pop(path)
-    file_io.existing_version_dir(loc, marker)
+    rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves. Read once
+    per load: ``keep`` holds it in ``opened`` for the read that follows (which takes it)."""
+    loc, marker = opened.loc, opened.marker
+    assert marker is not None
+    path = rank_file(opened.version_dir, rank, marker["world_size"])
+    if path in opened.read_ahead:
+        return opened.read_ahead[path] if keep else opened.read_ahead.pop(path)
+    opened.existing_version_dir()
     content, found = integrity.split(file_io.torch_load(loc, path), path, loc.url, required="save_id" in marker)
     if found is not None:
         integrity.check_identity(found, path, loc.url, marker.get("save_id"), rank, marker["world_size"])
         integrity.verify(content, found, path, loc.url)
-    return decode_shards(content)
+    decoded = decode_shards(content)
+    if keep:
+        opened.read_ahead.clear()  # at most one file held
+        opened.read_ahead[path] = decoded
+    return decoded
 
 
 
@@ -117,12 +121,14 @@ def decode_shards(tree: Any) -> Any:
     return tree
 
 
-def read_whole(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+def read_whole(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
     """The saved tree with every flat shard whole: the rank files' pieces side by side in rank order
     (``optimizer=False``: the model only)."""
     # Hybrid: the first shard group's files hold every shard once ([Note: hybrid layout]).
+    loc, marker = opened.loc, opened.marker
+    assert marker is not None
     world_size = int(marker.get("shard_group_size", marker["world_size"]))
-    files = [read_rank_file(loc, marker, rank) for rank in range(world_size)]
+    files = [read_rank_file(opened, rank) for rank in range(world_size)]
     pieces: dict[str, list[FlatShard]] = {}
     for content in files:
         for path, leaf in walk(content):

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -32,10 +31,9 @@ from lightning_zero.checkpoint.dcp_items import (
     read_threads,
     tree_signature,
 )
-from lightning_zero.checkpoint.modes import validate_marker_mode
-from lightning_zero.checkpoint.scheduler import checkpointer
+from lightning_zero.checkpoint.modes import OpenedCheckpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.team import Team, add_note, make_team, peer_lost, ranks_on_this_node, sendable
+from lightning_zero.checkpoint.team import Team, ranks_on_this_node
 from lightning_zero.checkpoint.tree import (
     FlatShard,
     check_same_keys,
@@ -142,86 +140,21 @@ def _object_leaf(leaf: Any) -> Any:
 
 
 
-# file system or bucket (twice over in the Trainer's resume, whose key check reads it too). One
-# rank (the team's coordinator) reads it and broadcasts the bytes over the coordination group;
-# every rank unpickles them once (restricted, as the file would be) and its DCP readers use that
-# ``Metadata`` for the rest of the load. The broadcast comes first, where every rank is, before
-# anything that may fail on one rank only, so no rank waits in it for a rank that has left: a
-# failed read there (no marker, no .metadata, an unreachable bucket) is raised on every rank, with
-# a note naming the rank that read. A save still in flight is finalized first: its background
-# collectives run over the same group. The other files (marker, objects file, data) are read by
-# each rank as before.
-_SHARED_METADATA: dict[tuple[str, tuple[int, ...]], tuple[str, Any] | None] = {}
-"""(url, the team's ranks) -> (version directory, its unpickled ``.metadata``), or None where the
-checkpoint is not ``sharded``; held for the duration of :func:`shared_metadata`."""
+def read_metadata_bytes(opened: OpenedCheckpoint) -> bytes:
+    """(a team's coordinator) The ``.metadata`` bytes of a ``sharded`` checkpoint, for every rank
+    ([Note: shared metadata] in opening.py)."""
+    opened.existing_version_dir()
+    reader = dcp_reader(opened)
+    with _reading_dcp_metadata(opened.loc):
+        return reader.metadata_bytes()
 
 
-@contextlib.contextmanager
-def shared_metadata(loc: Location, team: Team | None = None) -> Iterator[None]:
-    """(collective over the team when it has more than one rank) Within it, the DCP readers of
-    ``loc`` use ``.metadata`` as the team's coordinator read it ([Note: shared metadata]). Nested
-    uses for the same checkpoint and team share once."""
-    checkpointer().finalize(blocking=True)  # its background collectives use the same group
-    team = team if team is not None else make_team()
-    key = (loc.url, team.global_ranks)
-    if team.world_size == 1 or key in _SHARED_METADATA:
-        yield
-        return
-    read: tuple[str, bytes] | None = None
-    error: BaseException | None = None
-    if team.is_coordinator:
-        try:
-            read = _read_metadata_bytes(loc)
-        except Exception as exc:
-            error = sendable(exc)
-    payload = [(read, error)]
-    try:
-        dist.broadcast_object_list(payload, src=team.coordinator_global, group=team.group)
-    except Exception as exc:  # gloo: a peer died or froze
-        if error is not None:  # the cause, which the others may have timed out waiting for
-            add_note(error, f"Sending it to the other ranks failed too: {type(exc).__name__}: {exc}")
-            raise error  # noqa: B904 - its own cause (the storage error) stays; exc is its context
-        raise peer_lost(exc, loading=True) from exc
-    if error is not None:
-        raise error
-    read, received = payload[0]
-    del payload
-    if received is not None:
-        add_note(received, f"rank {team.coordinator_global} read this checkpoint's .metadata for every rank"
-                            " ([Note: shared metadata]).")
-        raise received
-    # Unpickled here, once, on every rank (the same bytes fail the same way everywhere); the bytes go.
-    _SHARED_METADATA[key] = None if read is None else (read[0], integrity.unpickle_metadata(read[1], loc.url))
-    del read
-    try:
-        yield
-    finally:
-        _SHARED_METADATA.pop(key, None)
-
-
-def _read_metadata_bytes(loc: Location) -> tuple[str, bytes] | None:
-    """(coordinator) The version directory of a ``sharded`` checkpoint and its ``.metadata`` bytes."""
-    marker = storage.read_marker(loc)
-    if marker is None or validate_marker_mode(loc, marker) != "sharded":
-        return None
-    version_dir = file_io.existing_version_dir(loc, marker)
-    reader = dcp_reader(loc, version_dir)
-    with _reading_dcp_metadata(loc):
-        return version_dir, reader.metadata_bytes()
-
-
-def _shared_metadata_of(loc: Location, version_dir: str) -> Any:
-    """The ``Metadata`` :func:`shared_metadata` holds for ``version_dir`` of ``loc``, or None."""
-    for (url, _), shared in _SHARED_METADATA.items():
-        if shared is not None and url == loc.url and shared[0] == version_dir:
-            return shared[1]
-    return None
-
-
-
-def dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False) -> Any:
+def dcp_reader(opened: OpenedCheckpoint, require_checksums: bool = False) -> Any:
+    """A verifying, parallel DCP reader of ``opened``'s data, using the ``.metadata`` shared for this
+    load if there is one."""
     import torch.distributed.checkpoint as dcp
 
+    loc, version_dir = opened.loc, opened.version_dir
     _, FsspecReader = _compat.fsspec_storage_classes()
 
     def require() -> bool:
@@ -235,7 +168,7 @@ def dcp_reader(loc: Location, version_dir: str, require_checksums: bool = False)
         reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
         _same_retries(reader, loc)
-    reader.shared_metadata = _shared_metadata_of(loc, version_dir)  # [Note: shared metadata]
+    reader.shared_metadata = opened.metadata  # [Note: shared metadata]
     return reader
 
 
@@ -263,17 +196,19 @@ def _reading_dcp_metadata(loc: Location) -> Iterator[None]:
         ) from exc
 
 
-def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
+def open_sharded(opened: OpenedCheckpoint) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
     """A ``sharded`` checkpoint's version directory, objects (checked), integrity header, a verifying
     DCP reader and its metadata, refused when the metadata belongs to another save."""
-    version_dir = file_io.existing_version_dir(loc, marker)
+    loc, marker = opened.loc, opened.marker
+    assert marker is not None
+    version_dir = opened.existing_version_dir()
     objects_file = f"{version_dir}/objects.pt"
     objects, found = integrity.split(file_io.torch_load(loc, objects_file), objects_file, loc.url,
                                      required="save_id" in marker)
     if found is not None:
         integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
         integrity.verify(objects, found, objects_file, loc.url)
-    reader = dcp_reader(loc, version_dir, require_checksums=found is not None and found.get("tensors") is not None)
+    reader = dcp_reader(opened, require_checksums=found is not None and found.get("tensors") is not None)
     metadata = read_dcp_metadata(loc, reader)
     save_id = marker.get("save_id")
     if save_id is not None and getattr(metadata.storage_meta, "save_id", None) != save_id:
@@ -285,9 +220,12 @@ def open_sharded(loc: Location, marker: dict[str, Any]) -> tuple[str, dict[str, 
     return version_dir, objects, found, reader, metadata
 
 
-def prepare_sharded(state_dict: dict[str, Any], loc: Location, marker: dict[str, Any],
-                     team: Team, strict: bool = True) -> Callable[[], dict[str, Any]]:
-    _, objects, found, reader, metadata = open_sharded(loc, marker)
+def prepare_sharded(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
+                    strict: bool = True) -> Callable[[], dict[str, Any]]:
+    """Read and check without touching ``state_dict``; returns what completes the load (DCP's reads,
+    collective over the team)."""
+    loc = opened.loc
+    _, objects, found, reader, metadata = open_sharded(opened)
     # DCP copies each item into its target as it reads it: fresh buffers keep the state untouched
     # when an item further on turns out damaged (one more copy of this rank's shards, at load only).
     targets, _ = split_for_dcp(map_leaves(state_dict, _empty_like))
@@ -356,13 +294,14 @@ def _read_failure(exc: CheckpointException, loc: Location) -> Exception:
     )
 
 
-def read_whole(loc: Location, marker: dict[str, Any], optimizer: bool) -> dict[str, Any]:
+def read_whole(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
     """The saved tree with every tensor whole, read by DCP in this process alone (resharding to one
     process; ``optimizer=False``: the model only)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    _, objects, _, reader, dcp_metadata = open_sharded(loc, marker)
+    loc = opened.loc
+    _, objects, _, reader, dcp_metadata = open_sharded(opened)
     metadata = dcp_metadata.state_dict_metadata
     targets: dict[str, Tensor] = {}
     for key, md in metadata.items():
