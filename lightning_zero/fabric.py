@@ -345,10 +345,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             return {}
         module_key, module, engine = self._split_state(state)
         optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
-        kept = [] if optimizer_keys else [copy.deepcopy(opt.state_dict()) for opt in engine.optimizers]
-        content = dict(load_zero_state_dict(engine, module, url, storage_options=options))
-        for opt, saved in zip(engine.optimizers, kept):
-            opt.load_state_dict(saved)  # only the weights were asked for: the optimizers stay as they were
+        content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys))
         for key in _LIGHTNING_OWN:
             content.pop(key, None)
         rest = {k: v for k, v in state.items() if k != module_key and k not in optimizer_keys}
@@ -366,19 +363,39 @@ class ZeroLowLevelStrategy(DDPStrategy):
         return content
 
     def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool) -> None:
+        """``fabric.load_raw(path, module)``: the weights of any checkpoint of this package, or of a file holding a
+        plain ``state_dict``. A module trained by an engine gets the exact masters (its optimizers keep their
+        state)."""
         module = _unwrap_module(module)
         engine = self._engines.get(module)
         if engine is not None:
-            wait_for_staging()
-            engine.finish_param_gather()
+            self._load_module(engine, module, url, options, with_optimizers=False)
+            return
         content = read_lightning_checkpoint(url, options, optimizer=False)
-        if "state_dict" in content or TRAINER_KEY in content:
+        if "state_dict" in content:
             load_weights(module, url, options, strict=strict)
+            return
+        if isinstance(content.get("model"), dict) and TRAINER_KEY in content:
+            # A ``full`` file written by fabric.save: the tree of zero_state_dict with whole tensors.
+            state_dict = dict(content["model"])
+            for alias, name in (content.get("meta") or {}).get("aliases", {}).items():
+                state_dict.setdefault(alias, state_dict[name])
         else:  # a plain ``torch.save(model.state_dict())`` file
-            with torch.no_grad():
-                module.load_state_dict(content, strict=strict)
-        if engine is not None:
-            engine.adopt_module_writes()  # the loaded weights reach the masters
+            state_dict = content
+        with torch.no_grad():
+            module.load_state_dict(state_dict, strict=strict)
+
+    @staticmethod
+    def _load_module(engine: ZeroEngine, module: nn.Module, url: str, options: dict[str, Any],
+                     with_optimizers: bool) -> dict[str, Any]:
+        """(every rank) The masters, buffers and, ``with_optimizers``, the optimizers' state from ``url``;
+        returns the checkpoint's other content."""
+        wait_for_staging()  # a save still copying the masters finishes before they are overwritten
+        kept = [] if with_optimizers else [copy.deepcopy(opt.state_dict()) for opt in engine.optimizers]
+        content = dict(load_zero_state_dict(engine, module, url, storage_options=options))
+        for opt, state in zip(engine.optimizers, kept, strict=False):
+            opt.load_state_dict(state)  # only the weights were asked for: the optimizers stay as they were
+        return content
 
     @override
     def teardown(self) -> None:

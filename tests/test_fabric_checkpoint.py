@@ -1,0 +1,129 @@
+"""fabric.save / fabric.load with Fabric(strategy="zero1"/"zero2"): resume in every mode, at the same world size
+(bit for bit against the uninterrupted run) and at another one (``sharded``, ``full``: against one PyTorch
+process); weights-only loads, ``load_raw``, ``filter`` and ``strict``.
+
+A loop saves ``{"model", "optimizer", "scheduler", "step", "note"}`` after 2 of 5 steps (asynchronously,
+training on while it writes) and trains to the end; a fresh loop loads the checkpoint and trains the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from fabric_cases import (
+    FabricCase,
+    run_filtered_save,
+    run_load_and_continue,
+    run_load_weights_only,
+    run_reference,
+    run_save_and_continue,
+)
+
+from lightning_zero.checkpoint import read_lightning_checkpoint
+
+CASE = FabricCase(steps=5, accumulate=2, clip_norm=0.05)
+SAVE_AT = 2
+MODES = ("local", "sharded", "full")
+
+
+@functools.cache
+def saved(stage: int, mode: str, directory: str) -> tuple[str, list[dict[str, Any]]]:
+    """The checkpoint written at step SAVE_AT by 2 ranks, and their uninterrupted run."""
+    path = str(Path(directory) / f"zero{stage}-{mode}.ckpt")
+    case = replace(CASE, strategy=f"zero{stage}")
+    return path, run_distributed(run_save_and_continue, 2, case, mode, path, SAVE_AT, start_method="forkserver")
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("fabric-ckpt"))
+
+
+def _equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for fqn, value in expected.items():
+        assert torch.equal(actual[fqn], value), f"{what}: {fqn} differs by {(actual[fqn] - value).abs().max()}"
+
+
+def _close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    for fqn, value in expected.items():
+        torch.testing.assert_close(actual[fqn], value, atol=1e-6, rtol=1e-5, msg=lambda m, f=fqn: f"{what}, {f}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_at_the_same_world_size_is_bit_exact(stage: int, mode: str, directory: str) -> None:
+    path, uninterrupted = saved(stage, mode, directory)
+    case = replace(CASE, strategy=f"zero{stage}")
+    resumed = run_distributed(run_load_and_continue, 2, case, path, start_method="forkserver")
+    for rank in range(2):
+        assert resumed[rank]["start"] == SAVE_AT
+        assert resumed[rank]["remainder"] == {"note": {"text": "fabric", "values": [1, 2]}}
+        _equal(resumed[rank]["loaded_params"], uninterrupted[rank]["saved_params"], f"rank {rank} after load")
+        _equal(resumed[rank]["params"], uninterrupted[rank]["params"], f"rank {rank} at the end")
+        # The scheduler's state came back: StepLR(gamma=0.7) after 2 steps.
+        assert resumed[rank]["lr"] == pytest.approx([0.01 * 0.7**SAVE_AT, 0.02 * 0.7**SAVE_AT])
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_resume_on_one_rank_ends_where_one_pytorch_process_does(mode: str, directory: str) -> None:
+    path, _ = saved(2, mode, directory)
+    resumed = run_distributed(run_load_and_continue, 1, replace(CASE, strategy="zero2"), path,
+                              start_method="forkserver")
+    expected = run_reference(CASE, 1)["params"]
+    assert resumed[0]["start"] == SAVE_AT
+    _close(resumed[0]["params"], expected, "1 rank resumed from 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_resume_on_three_ranks_ends_where_one_pytorch_process_does(mode: str, directory: str) -> None:
+    path, _ = saved(1, mode, directory)
+    resumed = run_distributed(run_load_and_continue, 3, replace(CASE, strategy="zero1"), path,
+                              start_method="forkserver")
+    expected = run_reference(CASE, 1)["params"]
+    for rank in range(3):
+        _close(resumed[rank]["params"], expected, f"rank {rank} of 3 resumed from 2")
+
+
+def test_local_checkpoint_at_another_world_size_fails_on_every_rank(directory: str) -> None:
+    path, _ = saved(2, "local", directory)
+    with pytest.raises(RuntimeError, match="world size|world_size") as error:
+        run_distributed(run_load_and_continue, 1, replace(CASE, strategy="zero2"), path, start_method="forkserver")
+    assert "rank 0" in str(error.value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_only_load_and_load_raw(mode: str, directory: str) -> None:
+    path, uninterrupted = saved(2, mode, directory)
+    loaded = run_distributed(run_load_weights_only, 2, replace(CASE, strategy="zero2"), path,
+                             start_method="forkserver")
+    for rank in range(2):
+        _equal(loaded[rank]["weights"], uninterrupted[rank]["saved_params"], f"rank {rank} weights")
+        _equal(loaded[rank]["raw_weights"], uninterrupted[rank]["saved_params"], f"rank {rank} load_raw")
+        assert loaded[rank]["optimizer_state"] == 0, "a weights-only load must leave the optimizer as it was"
+        assert loaded[rank]["remainder_keys"] == ["note", "scheduler", "step"]
+
+
+def test_checkpoint_reads_whole_in_lightning_format(directory: str) -> None:
+    path, uninterrupted = saved(2, "sharded", directory)
+    content = read_lightning_checkpoint(path)
+    _equal({k: v for k, v in content["state_dict"].items() if k in uninterrupted[0]["saved_params"]},
+           uninterrupted[0]["saved_params"], "read whole")
+    assert content["step"] == SAVE_AT
+    assert len(content["optimizer_states"]) == 1
+
+
+def test_filter_saves_only_what_it_keeps(tmp_path: Path) -> None:
+    path = str(tmp_path / "filtered.ckpt")
+    run_distributed(run_filtered_save, 2, replace(CASE, strategy="zero2"), path, start_method="forkserver")
+    content = read_lightning_checkpoint(path)
+    assert sorted(content["state_dict"]) == ["head.bias", "head.weight"]
+    assert "optimizer_states" not in content
+    assert content["step"] == 1
