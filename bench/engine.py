@@ -65,7 +65,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import AdamW, Optimizer
 
-from lightning_zero.buckets import MAX_IN_FLIGHT
+from lightning_zero.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.sharding import EvenShard
 
@@ -283,7 +283,7 @@ class ZeroMethod(Method):
 
     def background_work(self) -> bool:
         gatherer = self.engine.gatherer
-        thread = gatherer._thread  # the CPU gather program ([Note: gather overlap] in buckets.py)
+        thread = gatherer._thread  # the CPU gather program ([Note: gather overlap] in param_gather.py)
         return gatherer.pending or (thread is not None and thread.is_alive())
 
     def gather_peak(self) -> int:

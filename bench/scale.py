@@ -57,7 +57,7 @@ from _common import describe_machine, load_average
 from torch import Tensor, nn
 
 from lightning_zero import _collectives as comm
-from lightning_zero.buckets import MAX_IN_FLIGHT
+from lightning_zero.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine
 from lightning_zero.sharding import EvenShard, assign_buckets
 
@@ -487,7 +487,7 @@ def old_default_bucket_numel(world_size: int, element_size: int) -> int:
 def pool_bytes(numels: Sequence[int], world_size: int, capacity: int, element_size: int) -> int:
     """What the engine's pool holds per rank while a backward or a step runs: ``MAX_IN_FLIGHT`` slots
     of the largest bucket's reduction buffer (``[ws, row + flags]`` plus the reduce-scatter output
-    row, as on NCCL) or gathered buffer, whichever is larger ([Note: buffer pool] in buckets.py)."""
+    row, as on NCCL) or gathered buffer, whichever is larger ([Note: buffer pool] in comm_pool.py)."""
     launch_order = list(reversed(numels))
     largest = 0
     for indices in assign_buckets(launch_order, world_size, capacity):

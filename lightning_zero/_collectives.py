@@ -27,7 +27,7 @@ Work = Any  # torch.distributed.Work, or None when the call was synchronous
 
 def has_native_reduce_scatter(group: dist.ProcessGroup | None) -> bool:
     """False where reduce-scatter is an all-reduce plus a copy (gloo: [Note: gloo reduce-scatter]
-    in buckets.py), so callers all-reduce in place there instead."""
+    in grad_reducer.py), so callers all-reduce in place there instead."""
     return "gloo" not in dist.get_backend(group)
 
 

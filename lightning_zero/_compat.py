@@ -14,8 +14,8 @@ supported range is measured by ``make test-matrix`` (``COMPATIBILITY.md``). Lowe
 - Lightning 2.5: Lightning 2.4's CLI cannot merge the demo's ``subclass_mode_model`` hyper-parameters.
 
 Internals used in place, stable for many releases and tested here all the same: ``Tensor._version``
-(buckets.py, engine.py: a parameter replaced in place), ``Module._parameters`` (engine.py),
-``torch.autograd.Variable._execution_engine.queue_callback`` (buckets.py: the end of backward),
+(grad_bucket.py, engine.py: a parameter replaced in place), ``Module._parameters`` (engine.py),
+``torch.autograd.Variable._execution_engine.queue_callback`` (grad_reducer.py: the end of backward),
 ``torch._foreach_mul_`` / ``_foreach_clamp_min_`` / ``_foreach_clamp_max_`` (optimizer.py: clipping),
 and the ``ModelCheckpoint`` methods ``_lightning_fixes.py`` replaces by name
 (``_find_last_checkpoints``, ``_link_checkpoint``, ``setup``) and its ``_fs`` (strategy.py).

@@ -33,9 +33,12 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
-from lightning_zero.buckets import BufferPool, GradBucket, GradReducer, ParamGatherer, ShardedParam
+from lightning_zero.comm_pool import BufferPool
+from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
+from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.optimizer_kinds import optimizer_kind
+from lightning_zero.param_gather import ParamGatherer
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 _MB = 1024 * 1024
@@ -55,7 +58,7 @@ class ZeroConfig:
     """Run reductions asynchronously while backward goes on."""
     overlap_param_gather: bool = True
     """Leave the parameter all-gathers of a step running into the next forward, where each
-    module waits for its own buckets ([Note: gather overlap] in buckets.py). False: every
+    module waits for its own buckets ([Note: gather overlap] in param_gather.py). False: every
     gather is finished before ``step`` returns."""
     reduce_dtype: torch.dtype | str | None = None
     """The dtype gradients are reduced in (e.g. ``torch.float32`` under bf16 parameters, as
@@ -188,18 +191,14 @@ class ZeroEngine:
         trainable = [(fqn, p) for fqn, p in reversed(named) if p.requires_grad]
         frozen = [(fqn, p) for fqn, p in named if not p.requires_grad]
         self.buckets: list[GradBucket] = []
+        presence = PresenceCounts(p.device for _, p in trainable)
         for members in _group_by_dtype_and_device(trainable):
             capacity = config.bucket_numel(self.shard_size, members[0][1].element_size())
             for indices in assign_buckets([p.numel() for _, p in members], self.shard_size, capacity):
-                self.buckets.append(GradBucket(len(self.buckets), [members[i] for i in indices],
-                                               self.shard_size, self.shard_rank, reduce_dtype=config.reduce_dtype,
-                                               average_over=self.world_size))
+                self.buckets.append(GradBucket(len(self.buckets), [members[i] for i in indices], self.layout,
+                                               self.rank, presence, reduce_dtype=config.reduce_dtype))
         for members in _group_by_dtype_and_device(frozen):
-            self.buckets.append(GradBucket(len(self.buckets), members, self.shard_size, self.shard_rank,
-                                           communicates=False))
-        for bucket in self.buckets:
-            bucket.replicas = self.layout.num_replicas
-            bucket.replica_rank = self.layout.replica_rank(self.rank)
+            self.buckets.append(GradBucket(len(self.buckets), members, self.layout, self.rank))
         self.sharded_params: dict[nn.Parameter, ShardedParam] = {
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
@@ -207,7 +206,7 @@ class ZeroEngine:
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
                                       background=config.overlap_param_gather and self.shard_size > 1)
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
-                                   self.pool, before_first_reduction=self.finish_param_gather,
+                                   self.pool, presence, before_first_reduction=self.finish_param_gather,
                                    replica_group=self.replica_group, full_gradients=config.full_gradients)
         if self.optimizers:
             for zero_opt in self.optimizers:
@@ -493,7 +492,7 @@ def _own_group(group: dist.ProcessGroup | None, rank_lists: list[list[int]]) -> 
 def _gather_group(group: dist.ProcessGroup | None, config: ZeroConfig, world_size: int,
                   dp_group: dist.ProcessGroup | None = None,
                   layout: HybridLayout | None = None) -> dist.ProcessGroup | None:
-    """The process group the parameter all-gathers run on ([Note: gather overlap] in buckets.py).
+    """The process group the parameter all-gathers run on ([Note: gather overlap] in param_gather.py).
 
     With ``overlap_param_gather`` the gathers are issued whenever a forward gets to them, which
     differs between ranks whose forwards differ (a skipped layer); any other collective on the
@@ -566,7 +565,7 @@ def _guard_parameter_reads(module: nn.Module, sharded: dict[nn.Parameter, Sharde
     guarded = []
     for sub in module.modules():
         params = sub._parameters
-        positions = {name: sharded[p].bucket.gather_position for name, p in params.items() if p in sharded}
+        positions = {name: gatherer.positions[sharded[p].bucket] for name, p in params.items() if p in sharded}
         if positions and not isinstance(params, _GuardedParameters):
             sub.__dict__["_parameters"] = _GuardedParameters(params, gatherer, positions)
             guarded.append(sub)

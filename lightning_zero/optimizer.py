@@ -1,12 +1,12 @@
 """The sharded optimizer: the user's optimizer stepping this rank's fp32 master shards.
 
 Step order (DESIGN.md, data flow 5): the reductions were already waited for when backward
-ended (:class:`~lightning_zero.buckets.GradReducer`); the closure runs (Lightning's forward and
+ended (:class:`~lightning_zero.grad_reducer.GradReducer`); the closure runs (Lightning's forward and
 backward); the previous step's parameter gathers are finished and the presence of gradients is
 read, once; the pre-update hooks run; clipping uses the global norm; the inner optimizer updates
-the shards; the updated shards' all-gathers are launched (:class:`~lightning_zero.buckets.ParamGatherer`),
+the shards; the updated shards' all-gathers are launched (:class:`~lightning_zero.param_gather.ParamGatherer`),
 and either finished before ``step`` returns or, with ``overlap_param_gather``, during the next
-forward ([Note: gather overlap] in buckets.py).
+forward ([Note: gather overlap] in param_gather.py).
 
 [Note: wrapping the user's optimizer] The user's optimizer object is kept, and its param
 groups keep the module's parameters, as Lightning and its callbacks (BaseFinetuning, SWA,
@@ -32,8 +32,10 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
-from lightning_zero.buckets import GradBucket, GradReducer, ParamGatherer, ShardedParam
+from lightning_zero.grad_bucket import GradBucket, ShardedParam
+from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
+from lightning_zero.param_gather import ParamGatherer
 from lightning_zero.whole_step import WholeParamStep, is_split_state, swap_params
 
 

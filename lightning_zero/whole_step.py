@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
-from lightning_zero.buckets import ShardedParam
+from lightning_zero.grad_bucket import ShardedParam
 from lightning_zero.sharding import EvenShard
 
 MASTERS_FROM_MODULE = True

@@ -344,7 +344,7 @@ def _deep_step(model: Deep, engine: ZeroEngine, step: int, rank: int, world_size
 
 def run_gather_overlap(rank: int, world_size: int, steps: int = 4) -> dict[str, Any]:
     """The same training with the gathers overlapped and not, plus what each forced read sees."""
-    from lightning_zero.buckets import MAX_IN_FLIGHT
+    from lightning_zero.comm_pool import MAX_IN_FLIGHT
 
     model, engine = _deep_engine(overlap_param_gather=True)
     plain_model, plain_engine = _deep_engine(overlap_param_gather=False)

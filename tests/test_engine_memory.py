@@ -1,6 +1,6 @@
 """Bounded memory of the engine's communication: at most MAX_IN_FLIGHT full-size bucket
 buffers, shared by the reductions of a backward and the gathers of its step, and none kept
-between steps ([Note: pool between steps] in buckets.py).
+between steps ([Note: pool between steps] in comm_pool.py).
 
 Before this bound, every bucket's gathered buffer lived until the last gather finished: the
 step's peak grew by a whole copy of the parameters. The collectives are watched directly (which
@@ -16,7 +16,7 @@ import pytest
 from _dist import run_distributed
 from engine_cases import run_memory_bounds
 
-from lightning_zero.buckets import MAX_IN_FLIGHT
+from lightning_zero.comm_pool import MAX_IN_FLIGHT
 
 WORLD_SIZE = 2
 

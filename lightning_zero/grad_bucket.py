@@ -1,0 +1,357 @@
+"""A gradient bucket: parameters that reduce and all-gather together, and their shards on this rank.
+
+Granularity follows FSDP2: a :class:`ShardedParam` owns one parameter's shard on this rank (as
+``FSDPParam``; here views into its bucket's flat buffers), a :class:`GradBucket` owns a group of
+parameters that communicate together (as ``FSDPParamGroup``) and the launch and completion of its
+collectives, and :class:`PresenceCounts` holds every communicating bucket's reduced presence flags.
+Who launches which bucket when is :mod:`lightning_zero.grad_reducer` (backward) and
+:mod:`lightning_zero.param_gather` (after the step); the full-size buffers come from
+:mod:`lightning_zero.comm_pool`; the collectives are the stateless functions of
+:mod:`lightning_zero._collectives`.
+
+[Note: bucket layout] A bucket's communication buffer is ``[world_size, row_numel + k]``:
+row ``r`` holds, for every parameter of the bucket, its padded chunk ``r`` (so rows are
+``g-0 | g-1 | ...`` of DESIGN.md), followed by ``k`` (= parameters in the bucket) presence
+flags. Every rank writes 1 into the flag column of each parameter it has a gradient for, in
+every row, so after the reduction every rank holds, per parameter, how many ranks produced a
+gradient. That tells all ranks, without a collective of its own, which parameters got no
+gradient anywhere (layer drop) and must be left untouched by the optimizer.
+
+[Note: presence on the device] The flags are written on the device (a ``fill_`` per parameter,
+no host-to-device copy) and the reduced counts are added, in place, to one persistent device
+vector per device (:class:`PresenceCounts`; each bucket's counts are a view of it). Nothing is read
+back during backward: every parameter of a communicating bucket provisionally gets its shard
+gradient as ``master.grad`` (zeros where no rank had one, so a GradScaler's unscale and an inf check
+see only zeros), and :meth:`PresenceCounts.resolve` reads the counts once per step, at clipping or
+at the step, and takes ``.grad`` away from parameters no rank produced a gradient for, before the
+inner optimizer looks at them.
+
+[Note: hybrid reduction] With a shard group smaller than the world (``shard_group_size``), a
+bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: the reduce-scatter
+(or gloo's in-place all-reduce) within the shard group leaves this rank's row summed over its
+shard group, then that row alone (1/N of the bytes, flags included, so presence counts span the
+whole world) is all-reduced across the replica group. The second hop of bucket ``i`` is launched
+once bucket ``i + 1``'s first hop is on its way (:meth:`GradReducer._launch_next
+<lightning_zero.grad_reducer.GradReducer._launch_next>`), so both run during backward; each group
+sees its collectives in bucket order on every rank. Averaging divides by the whole world size.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero import _collectives as comm
+from lightning_zero.comm_pool import BufferPool
+from lightning_zero.sharding import EvenShard, HybridLayout
+
+
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """fp32 master copies for low-precision parameters; float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ShardedParam:
+    """One model parameter's even shard on this rank."""
+
+    def __init__(self, fqn: str, param: nn.Parameter, layout: EvenShard, rank: int,
+                 bucket: GradBucket, offset: int, flag_index: int) -> None:
+        self.fqn = fqn
+        self.param = param  # ND: the model's own full parameter
+        self.layout = layout
+        self.rank = rank
+        self.bucket = bucket
+        self.offset = offset  # where this parameter's chunk starts inside a bucket row
+        self.flag_index = flag_index  # its presence flag's column after the bucket's rows
+        n = layout.shard_numel(rank)
+        # 1D views into the bucket's flat buffers, real elements only (the padding is not
+        # the optimizer's business and is never written).
+        self.master = nn.Parameter(bucket.master_shard[offset : offset + n])
+        self.grad_shard = bucket.grad_shard[offset : offset + n]
+        self.has_grad = False  # some rank produced a gradient since the last zero_grad (host view)
+        self.reported = False  # this rank's hook fired in the current backward
+        # Stepped on the whole parameter ([Note: whole-matrix step] in whole_step.py); then the state
+        # under these keys is held as even shards like the master, every other value whole.
+        self.shape_aware = False
+        self.split_state_keys: frozenset[str] = frozenset()
+        self.load_master_from(param.detach())
+        # The parameter's autograd version when the master last agreed with it: an in-place write
+        # into the parameter (``copy_``, ``load_state_dict``) moves it; the engine's own gathers
+        # write through ``.data`` and do not ([Note: the module is the truth] in engine.py).
+        self.adopted_version = param._version
+
+    @torch.no_grad()
+    def adopt_param_writes(self, compare_values: bool) -> bool:
+        """Take into the master what was written into this rank's elements of the parameter since
+        the master last agreed with it; True if something may have been. Elements still equal to the
+        master in the parameter's dtype keep the master (its fp32 precision under bf16 parameters).
+        ``compare_values`` also finds writes that leave the version as it was (``p.data.copy_``);
+        the parameter must then hold the last gather."""
+        version = self.param._version
+        if version == self.adopted_version and not compare_values:
+            return False
+        own = self.own_elements(self.param.detach())
+        if own.dtype == self.master.dtype:
+            self.master.copy_(own)
+        else:
+            written = own != self.master.to(own.dtype)
+            self.master.copy_(torch.where(written, own.to(self.master.dtype), self.master))
+        self.adopted_version = version
+        return True
+
+    def own_elements(self, full: Tensor) -> Tensor:
+        """This rank's elements of a tensor shaped like the parameter (1D view)."""
+        return full.reshape(-1)[self.layout.local_slice(self.rank)]
+
+    @torch.no_grad()
+    def load_master_from(self, full: Tensor) -> None:
+        """Set the master shard from a whole tensor shaped like the parameter."""
+        self.master.copy_(self.own_elements(full))
+
+    @property
+    def shard_numel(self) -> int:
+        return self.master.numel()
+
+    @property
+    def present_count(self) -> Tensor:
+        """0-dim device view: ranks that produced a gradient since the last resolve (reduced)."""
+        return self.bucket.present_count[self.flag_index]
+
+    def rows(self, buffer: Tensor) -> Tensor:
+        """This parameter's ``[world_size, chunk]`` column block of a bucket buffer."""
+        return buffer[:, self.offset : self.offset + self.layout.chunk]
+
+
+class PresenceCounts:
+    """The reduced presence counts of every communicating bucket: one vector per device, of which each
+    bucket holds a view from its construction, read at most once per step ([Note: presence on the device]).
+
+    Call order: (engine) ``PresenceCounts(devices)`` -> (each communicating bucket, in launch order)
+    ``claim`` -> per backward (reducer) ``mark_reduced`` -> at clipping or the step ``resolve``."""
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        """``devices``: the device of every parameter that will communicate, one entry each."""
+        sizes = Counter(devices)
+        self._vectors = {device: torch.zeros(n, dtype=torch.float32, device=device)  # 1D
+                         for device, n in sizes.items()}
+        self._members: dict[torch.device, list[ShardedParam]] = {device: [] for device in sizes}
+        self._unread = False  # counts were reduced into the vectors since they were last read
+
+    def claim(self, device: torch.device, params: Sequence[ShardedParam]) -> Tensor:
+        """The next ``len(params)`` counts of ``device``'s vector (1D view), one per parameter."""
+        members = self._members[device]
+        start = len(members)
+        assert start + len(params) <= len(self._vectors[device]), "more parameters claimed than declared"
+        members.extend(params)
+        return self._vectors[device][start : start + len(params)]
+
+    def mark_reduced(self) -> None:
+        """A backward's reductions were added to the counts: the next :meth:`resolve` reads them."""
+        self._unread = True
+
+    def resolve(self) -> None:
+        """Read the reduced presence counts (one device-to-host copy per device, at most once per
+        step) and drop ``master.grad`` of parameters that got no gradient on any rank."""
+        if not self._unread:
+            return
+        self._unread = False
+        for device, vector in self._vectors.items():
+            present = vector.gt(0).tolist()
+            vector.zero_()
+            for sp, got in zip(self._members[device], present, strict=True):
+                sp.has_grad = sp.has_grad or got
+                sp.master.grad = sp.grad_shard if sp.has_grad else None
+
+
+class GradBucket:
+    """Parameters that reduce and all-gather together, with this rank's flat shard buffers."""
+
+    def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]],
+                 layout: HybridLayout, rank: int, presence: PresenceCounts | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        """``rank``: this rank in the data-parallel group. ``presence``: where a communicating bucket's
+        counts live; None for a bucket of frozen parameters, which never reduces (its shards are
+        still gathered and checkpointed)."""
+        self.index = index
+        self.world_size = layout.shard_group_size  # ranks sharing the shards: the shard group's size
+        self.rank = layout.shard_rank(rank)  # in the shard group
+        # Ranks whose gradients are averaged: the whole world, more than ``world_size`` when hybrid.
+        self.average_over = layout.world_size
+        # Hybrid sharding: shard groups holding this split, and which of them this rank is in.
+        self.replicas = layout.num_replicas
+        self.replica_rank = layout.replica_rank(rank)
+        self.communicates = presence is not None  # False for optimized-but-frozen parameters
+        first = named_params[0][1]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.reduce_dtype = reduce_dtype or self.dtype  # what gradients are summed in
+        shards = [EvenShard(p.numel(), self.world_size) for _, p in named_params]
+        offsets = [sum(shard.chunk for shard in shards[:i]) for i in range(len(shards))]
+        self.row_numel = sum(shard.chunk for shard in shards)
+        master_dtype = master_dtype_for(self.dtype)
+        self.master_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
+        self.grad_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
+        self.params = [
+            ShardedParam(fqn, param, shard, self.rank, self, offset, j)
+            for j, ((fqn, param), shard, offset) in enumerate(zip(named_params, shards, offsets))
+        ]
+        # A view of the per-device vector ([Note: presence on the device]); never read when frozen.
+        self.present_count = presence.claim(self.device, self.params) if presence is not None \
+            else torch.zeros(len(self.params), dtype=torch.float32, device=self.device)  # 1D
+        self.reported = 0
+        self.pending: PendingReduce | None = None
+
+    @property
+    def reduce_numel(self) -> int:
+        """Elements of one row of the reduction buffer: the chunks, then one flag per parameter."""
+        return self.row_numel + len(self.params)
+
+    # ---- reduction ---------------------------------------------------------------------
+
+    def pack_gradients(self, buffer: Tensor) -> None:
+        """Move every present gradient into ``buffer`` (``[ws, reduce_numel]``) and free it."""
+        # Every element is written below (padding zeroed per parameter), so the pooled buffer
+        # needs no zero-fill pass; flags are device fills, never a host-to-device copy.
+        flags = buffer[:, self.row_numel :]
+        for j, sp in enumerate(self.params):
+            grad = sp.param.grad
+            rows = sp.rows(buffer)
+            if grad is None:
+                rows.zero_()  # no gradient here: zeros in the sum (DESIGN.md, layer drop)
+                flags[:, j].zero_()
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    f"Parameter {sp.fqn!r} has a sparse gradient, which ZeRO sharding cannot split"
+                    " evenly. Use dense gradients (e.g. nn.Embedding(sparse=False))."
+                )
+            comm.copy_flat_to_rows(rows, grad.reshape(-1), sp.layout, zero_padding=True)
+            flags[:, j].fill_(1.0)
+            # The full gradient dies here: only the packed copy (a pooled slot) lives until the
+            # reduction, so no rank keeps two full gradients alive.
+            sp.param.grad = None
+        if self.predivide:
+            buffer[:, : self.row_numel].div_(self.average_over)
+
+    @property
+    def predivide(self) -> bool:
+        """Average as a SUM of pre-divided values only where the SUM could overflow (fp16);
+        otherwise divide the reduced shard, 1/world_size of the data (ReduceOp.AVG is not on
+        every backend)."""
+        return self.average_over > 1 and self.reduce_dtype == torch.float16
+
+    def launch_reduce(self, pool: BufferPool, slot: int, reduce_scatter: bool,
+                      group: dist.ProcessGroup | None, async_op: bool,
+                      replica_group: dist.ProcessGroup | None = None) -> None:
+        """``reduce_scatter``: leave only this rank's row (native reduce-scatter backends); otherwise
+        all-reduce the buffer in place and take the row (gloo: see [Note: gloo reduce-scatter] in
+        grad_reducer.py). ``replica_group``: the second hop of [Note: hybrid reduction], launched by
+        :meth:`advance_reduce`."""
+        assert self.pending is None, f"bucket {self.index} launched twice in one backward"
+        n = self.reduce_numel
+        # The reduce-scatter output sits in the same slot, after the input.
+        flat = pool.take(slot, n * (self.world_size + (1 if reduce_scatter else 0)), self.reduce_dtype,
+                         self.device)
+        buffer = flat[: n * self.world_size].view(self.world_size, n)
+        try:
+            self.pack_gradients(buffer)
+        except BaseException:
+            pool.give_back(slot, self.device)  # a rejected gradient must not leak the slot
+            raise
+        if reduce_scatter:
+            output = flat[n * self.world_size :]
+            work = comm.reduce_scatter(output, buffer.view(-1), group, async_op)
+        else:
+            work = comm.all_reduce(buffer, group, async_op)
+            output = buffer[self.rank]
+        self.pending = PendingReduce(work, output, slot, replica_group, async_op,
+                                     rows=None if reduce_scatter else buffer)
+
+    def advance_reduce(self) -> None:
+        """Hybrid only: once the shard group's hop is done, start the replica group's all-reduce of
+        this rank's row ([Note: hybrid reduction]). A no-op otherwise, or when already started."""
+        pending = self.pending
+        assert pending is not None
+        if pending.replica_group is None:
+            return
+        comm.wait(pending.work)
+        pending.work = comm.all_reduce(pending.output, pending.replica_group, pending.async_op)
+        pending.replica_group = None
+
+    def finish_reduce(self, pool: BufferPool, full_gradients: bool = False) -> None:
+        """Wait for the reduction, add it to the fp32 shard gradient and the presence counts.
+        ``full_gradients`` (stage 1, all-reduced): every parameter's ``.grad`` also gets the whole averaged
+        gradient, as under DDP (``finish_backward`` drops it again where no rank produced a gradient)."""
+        self.advance_reduce()
+        assert self.pending is not None
+        pending, self.pending = self.pending, None
+        comm.wait(pending.work)  # bounded: see [Note: bounded waits] in _collectives.py
+        scale = 1.0 if self.predivide or self.average_over == 1 else 1.0 / self.average_over
+        self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
+        self.present_count.add_(pending.output[self.row_numel :])
+        if full_gradients:
+            assert pending.rows is not None, "full gradients need the all-reduced rows"
+            for sp in self.params:
+                grad = torch.empty_like(sp.param)
+                comm.copy_rows_to_flat(grad.view(-1), sp.rows(pending.rows), sp.layout)
+                sp.param.grad = grad.mul_(scale) if scale != 1.0 else grad
+        pool.give_back(pending.slot, self.device)  # the full-size buffer is free from here
+
+    def reset_backward(self) -> None:
+        self.reported = 0
+        for sp in self.params:
+            sp.reported = False
+
+    # ---- parameter all-gather ----------------------------------------------------------
+
+    def launch_all_gather(self, pool: BufferPool, slot: int, group: dist.ProcessGroup | None,
+                          async_op: bool, piece_numel: int | None = None) -> PendingGather:
+        """``piece_numel`` (gloo): a bucket with a larger output is gathered synchronously, piece
+        by piece (:func:`~lightning_zero._collectives.all_gather_in_pieces`); ParamGatherer runs
+        gloo's gathers on its own thread, so only that thread waits."""
+        # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
+        # be finished before the next inner step writes it (ParamGatherer.finish in the step).
+        gather_input = self.master_shard.to(self.dtype)
+        gathered = pool.take(slot, self.world_size * self.row_numel, self.dtype, self.device)
+        rows = gathered.view(self.world_size, self.row_numel)
+        if piece_numel is not None and gathered.numel() > piece_numel:
+            comm.all_gather_in_pieces(rows, gather_input, group, piece_numel)
+            work = None
+        else:
+            work = comm.all_gather(gathered, gather_input, group, async_op)
+        return PendingGather(self, work, rows, gather_input, slot)
+
+
+@dataclass
+class PendingReduce:
+    """A bucket's reduction in flight (:meth:`GradBucket.launch_reduce` -> :meth:`GradBucket.finish_reduce`)."""
+
+    work: comm.Work
+    output: Tensor  # this rank's row (in the pooled slot), flags after the chunks
+    slot: int
+    replica_group: dist.ProcessGroup | None = None  # hybrid: the hop still to launch (None once launched)
+    async_op: bool = True
+    rows: Tensor | None = None  # [world_size, reduce_numel]: every row, when all-reduced (full gradients)
+
+
+@dataclass
+class PendingGather:
+    """A bucket's all-gather in flight; :meth:`finish` copies it into the parameters and frees the slot."""
+
+    bucket: GradBucket
+    work: comm.Work
+    gathered: Tensor  # [world_size, row_numel], a pooled slot
+    gather_input: Tensor  # kept alive until the collective completes
+    slot: int
+
+    def finish(self, pool: BufferPool) -> None:
+        comm.wait(self.work)  # bounded: see [Note: bounded waits] in _collectives.py
+        with torch.no_grad():
+            for sp in self.bucket.params:
+                comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)
+        pool.give_back(self.slot, self.bucket.device)
