@@ -470,9 +470,9 @@ def _to_blob(values: dict[str, Any]) -> bytes:
 
     Refused here, on every rank, before any collective: a value that would not load back."""
     buffer = io.BytesIO()
-    torch.save(values, buffer)
-    blob = buffer.getvalue()
     try:
+        torch.save(values, buffer)
+        blob = buffer.getvalue()
         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise TypeError(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from engine_cases import Net, make_optimizer
 from lightning.fabric import Fabric
+from torch import nn
 
 from lightning_zero.checkpoint import ZeroCheckpointIO
 
@@ -67,8 +68,12 @@ def make_fabric(rank: int, world_size: int, strategy: Any, precision: str | None
 
 
 def _strategy(case: FabricCase) -> Any:
+    from lightning.fabric.strategies import DDPStrategy
+
     from lightning_zero.fabric import ZeroLowLevelStrategy
 
+    if case.strategy == "ddp":  # Fabric's own; Net has a layer no forward calls
+        return DDPStrategy(find_unused_parameters=True)
     if case.strategy in ("zero1", "zero2"):
         return ZeroLowLevelStrategy(stage=int(case.strategy[-1]), bucket_size_mb=case.bucket_size_mb)  # type: ignore[arg-type]
     return case.strategy
@@ -93,13 +98,30 @@ def fresh_model(rank: int) -> Net:
     return model
 
 
+def make_optimizers(name: str, model: nn.Module) -> list[torch.optim.Optimizer]:
+    """``two-adamw``: make_optimizer("adamw")'s two param groups as two optimizers (the same update: AdamW is
+    elementwise)."""
+    if name != "two-adamw":
+        return [make_optimizer(name, model)]
+    groups = make_optimizer("adamw", model).param_groups
+    return [torch.optim.AdamW([{k: v for k, v in group.items() if k != "initial_lr"}]) for group in groups]
+
+
 @dataclass
 class Loop:
     fabric: Fabric
     model: Any
-    optimizer: Any
-    scheduler: Any
-    raw_optimizer: torch.optim.Optimizer
+    optimizers: list[Any]
+    schedulers: list[Any]
+    raw_optimizers: list[torch.optim.Optimizer]
+
+    @property
+    def optimizer(self) -> Any:
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self) -> Any:
+        return self.schedulers[0] if self.schedulers else None
 
 
 def set_up(rank: int, world_size: int, case: FabricCase, plugins: list[Any] | None = None) -> Loop:
@@ -107,35 +129,36 @@ def set_up(rank: int, world_size: int, case: FabricCase, plugins: list[Any] | No
     fabric = make_fabric(rank, world_size, _strategy(case), precision, [*(precision_plugins or []), *(plugins or [])])
     model = fresh_model(rank)
     if case.setup == "joint":
-        raw = make_optimizer(case.optimizer, model)
-        scheduler = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.7) if case.scheduler else None
-        fmodel, foptimizer = fabric.setup(model, raw)
+        raw = make_optimizers(case.optimizer, model)
+        fmodel, *foptimizers = fabric.setup(model, *raw)
     else:
         fmodel = fabric.setup_module(model)
-        raw = make_optimizer(case.optimizer, fmodel.module)
-        scheduler = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.7) if case.scheduler else None
-        foptimizer = fabric.setup_optimizers(raw)
-    return Loop(fabric, fmodel, foptimizer, scheduler, raw)
+        raw = make_optimizers(case.optimizer, fmodel.module)
+        foptimizers = [fabric.setup_optimizers(opt) for opt in raw]
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) for opt in raw] if case.scheduler else []
+    return Loop(fabric, fmodel, foptimizers, schedulers, raw)
 
 
 def train_steps(loop: Loop, case: FabricCase, rank: int, world_size: int, start: int, stop: int) -> list[float]:
-    fabric, model, optimizer = loop.fabric, loop.model, loop.optimizer
+    fabric, model = loop.fabric, loop.model
     norms = []
     for step in range(start, stop):
-        optimizer.zero_grad()
+        for optimizer in loop.optimizers:
+            optimizer.zero_grad()
         for micro in range(case.accumulate):
             x, y = case_batch(case, step, micro, world_size)
             xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
             with fabric.no_backward_sync(model, enabled=micro < case.accumulate - 1):
                 loss = F.mse_loss(model(xs).float(), ys) / case.accumulate
                 fabric.backward(loss)
-        if case.clip_norm is not None:
-            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=case.clip_norm)))
-        if case.clip_value is not None:
-            fabric.clip_gradients(model, optimizer, clip_val=case.clip_value)
-        optimizer.step()
-        if loop.scheduler is not None:
-            loop.scheduler.step()
+        for optimizer in loop.optimizers:
+            if case.clip_norm is not None:
+                norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=case.clip_norm)))
+            if case.clip_value is not None:
+                fabric.clip_gradients(model, optimizer, clip_val=case.clip_value)
+            optimizer.step()
+        for scheduler in loop.schedulers:
+            scheduler.step()
     return norms
 
 
@@ -148,17 +171,19 @@ def run_fabric(rank: int, world_size: int, case: FabricCase) -> dict[str, Any]:
     norms = train_steps(loop, case, rank, world_size, 0, case.steps)
     params = params_of(loop.model)
     strategy = loop.fabric.strategy
+    result: dict[str, Any] = {"params": params, "norms": norms}
+    if case.strategy == "ddp":
+        return result
     engine = strategy.engines[0]
-    result = {
-        "params": params,
-        "norms": norms,
-        "shard_numel": strategy.optimizer_shard_numel,
-        "master_dtypes": sorted({str(sp.master.dtype) for sp in engine.sharded_params.values()}),
-        "params_are_masters": all(
+    result.update(
+        shard_numel=strategy.optimizer_shard_numel,
+        engines=len(strategy.engines),
+        master_dtypes=sorted({str(sp.master.dtype) for sp in engine.sharded_params.values()}),
+        params_are_masters=all(
             torch.equal(sp.master.to(sp.param.dtype), sp.param.detach().reshape(-1)[sp.layout.local_slice(sp.rank)])
             for sp in engine.sharded_params.values()),
-        "scaler": type(getattr(strategy.precision, "scaler", None)).__name__,
-    }
+        scaler=type(getattr(strategy.precision, "scaler", None)).__name__,
+    )
     strategy.teardown()
     return result
 
@@ -172,21 +197,25 @@ def run_reference(case: FabricCase, world_size: int = 1) -> dict[str, Any]:
     """Plain PyTorch, one process, on the global batch (the loss of N equal slices averaged)."""
     torch.manual_seed(0)
     model = Net()
-    optimizer = make_optimizer(case.optimizer, model)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7) if case.scheduler else None
+    optimizers = make_optimizers(case.optimizer, model)
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) for opt in optimizers] \
+        if case.scheduler else []
     norms = []
     for step in range(case.steps):
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         for micro in range(case.accumulate):
             x, y = case_batch(case, step, micro, world_size)
             loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
             (loss / world_size / case.accumulate).backward()
-        if case.clip_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm)))
-        if case.clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
-        optimizer.step()
-        if scheduler is not None:
+        for optimizer in optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if case.clip_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip_norm)))
+            if case.clip_value is not None:
+                torch.nn.utils.clip_grad_value_(params, case.clip_value)
+            optimizer.step()
+        for scheduler in schedulers:
             scheduler.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
 
@@ -216,7 +245,7 @@ def run_load_and_continue(rank: int, world_size: int, case: FabricCase, path: st
     remainder = loop.fabric.load(path, state)
     loaded_params = params_of(loop.model)
     start = state["step"]
-    lr = [group["lr"] for group in loop.raw_optimizer.param_groups]
+    lr = [group["lr"] for group in loop.raw_optimizers[0].param_groups]
     train_steps(loop, case, rank, world_size, start, case.steps)
     params = params_of(loop.model)
     loop.fabric.strategy.teardown()
@@ -246,3 +275,49 @@ def run_filtered_save(rank: int, world_size: int, case: FabricCase, path: str) -
     loop.fabric.save(path, {"model": loop.model, "step": 1}, filter={"model": lambda name, _: "head" in name})
     loop.fabric.strategy.teardown()
     return {}
+
+
+class NotPlain:
+    """A value ``weights_only`` loading refuses (a class of this module)."""
+
+
+def run_bad_saves(rank: int, world_size: int, path: str) -> list[str]:
+    """Bad ``fabric.save`` input: the same clear error on every rank, before any collective (the barrier after
+    each proves the ranks are still in step)."""
+    case = FabricCase()
+    loop = set_up(rank, world_size, case)
+    second = fresh_model(rank)
+    other, other_optimizer = loop.fabric.setup(second, make_optimizer("sgd", second))
+    foreign = make_optimizer("sgd", fresh_model(rank))
+    bad_states = [
+        {"model": loop.model, "other": other},
+        {"model": loop.model, "optimizer": other_optimizer},
+        {"model": loop.model, "optimizer": foreign},
+        {"model": loop.model, "value": NotPlain()},
+        {"model": loop.model, "value": lambda: 0},
+    ]
+    errors = []
+    for state in bad_states:
+        try:
+            loop.fabric.save(path, state)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        else:
+            errors.append("no error")
+        loop.fabric.barrier()
+    loop.fabric.strategy.teardown()
+    return errors
+
+
+def run_strict_load(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """``fabric.load`` with a key the checkpoint lacks: an error with ``strict=True``, left as it is without."""
+    loop = set_up(rank, world_size, FabricCase())
+    state: dict[str, Any] = {"model": loop.model, "optimizer": loop.optimizer, "absent": 7}
+    try:
+        loop.fabric.load(path, state)
+        strict_error = "no error"
+    except KeyError as exc:
+        strict_error = str(exc)
+    remainder = loop.fabric.load(path, state, strict=False)
+    loop.fabric.strategy.teardown()
+    return {"strict_error": strict_error, "absent": state["absent"], "remainder_keys": sorted(remainder)}

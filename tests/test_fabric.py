@@ -36,13 +36,20 @@ EXACT_CASES: dict[str, FabricCase] = {
     **_both_stages("everything", FabricCase(accumulate=2, clip_norm=0.05, branch_on_rank0_only=True)),
     **_both_stages("setup-module-then-optimizers", FabricCase(setup="separate", accumulate=2, clip_norm=0.05)),
     **_both_stages("one-bucket", FabricCase(bucket_size_mb=None, accumulate=2)),
+    # fabric.setup(model, opt_a, opt_b): one engine shards both; each is clipped by its own global norm.
+    **_both_stages("two-optimizers", FabricCase(optimizer="two-adamw", accumulate=2, clip_norm=0.05)),
+}
+DDP_CASES: dict[str, FabricCase] = {
+    # Fabric's own DDP strategy on the same loop, for the ZeRO runs of the same name to match.
+    "everything-ddp": FabricCase(strategy="ddp", accumulate=2, clip_norm=0.05, branch_on_rank0_only=True),
+    "two-optimizers-ddp": FabricCase(strategy="ddp", optimizer="two-adamw", accumulate=2, clip_norm=0.05),
 }
 LOW_PRECISION_CASES: dict[str, FabricCase] = {
     **_both_stages("bf16-true", FabricCase(precision="bf16-true", accumulate=2, clip_norm=0.05)),
     **_both_stages("bf16-mixed", FabricCase(precision="bf16-mixed", accumulate=2, clip_norm=0.05)),
     **_both_stages("16-mixed", FabricCase(precision="16-mixed", accumulate=2, clip_norm=0.05)),
 }
-CASES = {**EXACT_CASES, **LOW_PRECISION_CASES}
+CASES = {**EXACT_CASES, **LOW_PRECISION_CASES, **DDP_CASES}
 
 
 @functools.cache
@@ -83,6 +90,19 @@ def test_two_ranks_match_one_pytorch_process(name: str) -> None:
         assert_params_close(outcome["params"], expected["params"], rank)
         assert outcome["params_are_masters"]
         assert outcome["master_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("ddp_name", list(DDP_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_match_fabrics_ddp_strategy(ddp_name: str, stage: int) -> None:
+    name = ddp_name.replace("-ddp", f"-zero{stage}")
+    for rank, result in enumerate(results(2)):
+        assert_params_close(result[name]["params"], result[ddp_name]["params"], rank)
+        assert result[name]["norms"] == pytest.approx(result[ddp_name]["norms"], rel=1e-5)
+
+
+def test_several_optimizers_share_one_engine() -> None:
+    assert [result["two-optimizers-zero2"]["engines"] for result in results(2)] == [1, 1]
 
 
 @pytest.mark.parametrize("name", [n for n, c in EXACT_CASES.items() if c.clip_norm is not None])

@@ -18,11 +18,13 @@ import torch
 from _dist import run_distributed
 from fabric_cases import (
     FabricCase,
+    run_bad_saves,
     run_filtered_save,
     run_load_and_continue,
     run_load_weights_only,
     run_reference,
     run_save_and_continue,
+    run_strict_load,
 )
 
 from lightning_zero.checkpoint import read_lightning_checkpoint
@@ -127,3 +129,23 @@ def test_filter_saves_only_what_it_keeps(tmp_path: Path) -> None:
     assert sorted(content["state_dict"]) == ["head.bias", "head.weight"]
     assert "optimizer_states" not in content
     assert content["step"] == 1
+
+
+def test_bad_save_input_fails_on_every_rank_before_any_collective(tmp_path: Path) -> None:
+    errors = run_distributed(run_bad_saves, 2, str(tmp_path / "bad.ckpt"), start_method="forkserver")
+    assert errors[0] == errors[1]
+    two_modules, other_optimizer, foreign, not_plain, unpicklable = errors[0]
+    assert "exactly one module" in two_modules
+    assert "is not an optimizer of state['model']" in other_optimizer
+    assert "is not an optimizer of state['model']" in foreign
+    assert "weights_only" in not_plain and "NotPlain" in not_plain
+    assert unpicklable.startswith("TypeError")
+    assert not (tmp_path / "bad.ckpt").exists()
+
+
+def test_strict_load_names_the_missing_key_and_strict_false_leaves_it(directory: str) -> None:
+    path, _ = saved(2, "sharded", directory)
+    for result in run_distributed(run_strict_load, 2, path, start_method="forkserver"):
+        assert "'absent'" in result["strict_error"] and "strict=False" in result["strict_error"]
+        assert result["absent"] == 7
+        assert result["remainder_keys"] == ["note", "scheduler", "step"]
