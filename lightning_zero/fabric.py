@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning
 import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
@@ -55,7 +56,9 @@ from lightning_zero.optimizer import ZeroOptimizer
 TRAINER_KEY = "trainer"
 """Entry of the checkpoint tree holding the non-tensor state as one ``torch.save`` blob: Lightning's loops
 for the Trainer, the rest of ``fabric.save``'s ``state`` here (what ``fabric.load`` returns or restores)."""
-_LIGHTNING_OWN = ("state_dict", "optimizer_states", "lightning_zero_masters", "lightning_zero_meta")
+VERSION_KEY = "pytorch-lightning_version"
+"""Stamped into every save, as Lightning stamps its checkpoints: the Trainer reads a checkpoint only with it."""
+_LIGHTNING_OWN = ("state_dict", "optimizer_states", "lightning_zero_masters", "lightning_zero_meta", VERSION_KEY)
 """Keys of a loaded checkpoint that are the module's and the optimizers' (filled in place), never remainder."""
 
 
@@ -299,7 +302,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             tree["model"] = {fqn: leaf for fqn, leaf in tree["model"].items() if keep(fqn, tensors[fqn].detach())}
         rest = {key: value.state_dict() if _is_stateful(value) else value for key, value in state.items()
                 if key != module_key and key not in saved_optimizers}
-        tree[TRAINER_KEY] = _to_blob(rest)
+        tree[TRAINER_KEY] = _to_blob({VERSION_KEY: lightning.__version__, **rest})
         options = {**io.storage_options, **(storage_options or {})}
         fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step", "step") and isinstance(v, int)}
         write = async_save if io.async_save else save

@@ -321,3 +321,59 @@ def run_strict_load(rank: int, world_size: int, path: str) -> dict[str, Any]:
     remainder = loop.fabric.load(path, state, strict=False)
     loop.fabric.strategy.teardown()
     return {"strict_error": strict_error, "absent": state["absent"], "remainder_keys": sorted(remainder)}
+
+
+# ---- Trainer <-> Fabric -----------------------------------------------------------------------
+
+
+def run_fabric_resumes_trainer_checkpoint(rank: int, world_size: int, path: str, steps: tuple[int, int],
+                                          epoch_steps: int = 2) -> dict[str, Any]:
+    """A Fabric loop over the Trainer tests' NetModule (AdamW, StepLR every step, lightning_cases.loader's
+    batches) loads a checkpoint the Trainer wrote after ``steps[0]`` steps and trains to ``steps[1]``."""
+    from engine_cases import global_batch as trainer_batch
+    from lightning_cases import NetModule
+
+    fabric = make_fabric(rank, world_size, "zero2")
+    module = NetModule(scheduler=True)
+    optimizer = make_optimizer("adamw", module.net)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    model, optimizer = fabric.setup(module, optimizer)
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    scheduler.load_state_dict(remainder["lr_schedulers"][0])
+    loaded = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for step in range(steps[0], steps[1]):
+        x, y = trainer_batch(step % epoch_steps, 0, world_size)  # the loader's epoch, again
+        loss = F.mse_loss(model.net(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    fabric.strategy.teardown()
+    return {"loaded": loaded, "weights": weights, "global_step": remainder["global_step"],
+            "keys": sorted(remainder)}
+
+
+def run_fabric_trains_like_the_trainer(rank: int, world_size: int, path: str, mode: str, steps: int = 2
+                                       ) -> dict[str, Any]:
+    """The Trainer tests' first epoch (NetModule, AdamW, StepLR every step) in a Fabric loop, saved to ``path``
+    with ``{"model", "optimizer", "lr_schedulers"}`` as the Trainer's checkpoints name them."""
+    from engine_cases import global_batch as trainer_batch
+    from lightning_cases import NetModule
+
+    fabric = make_fabric(rank, world_size, "zero2", plugins=[ZeroCheckpointIO(mode=mode)])  # type: ignore[arg-type]
+    module = NetModule(scheduler=True)
+    optimizer = make_optimizer("adamw", module.net)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    model, optimizer = fabric.setup(module, optimizer)
+    for step in range(steps):
+        x, y = trainer_batch(step, 0, world_size)
+        fabric.backward(F.mse_loss(model.net(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "lr_schedulers": [scheduler.state_dict()],
+                       "global_step": steps, "epoch": 1})
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    fabric.strategy.teardown()
+    return weights
