@@ -30,14 +30,16 @@ now = time.monotonic  # CLOCK_MONOTONIC: comparable across the processes of one 
 # ---- file helpers ---------------------------------------------------------------------------
 
 
-def write_raw(path: str, nbytes: int, chunk: memoryview, writeback: bool = False) -> tuple[float, float]:
+def write_raw(path: str, nbytes: int, chunk: memoryview, writeback: bool = False,
+              drop_behind: bool = True) -> tuple[float, float]:
     """Sequential large writes then fsync; returns (start, end) on the monotonic clock. With
-    ``writeback``, through the checkpoint writers' ``WritebackStream`` ([Note: early writeback])."""
+    ``writeback``, through the checkpoint writers' ``WritebackStream`` ([Note: early writeback]),
+    dropping written pages unless not ``drop_behind``."""
     from lightning_zero.checkpoint.writeback import WritebackStream
 
     start = now()
     with open(path, "wb", buffering=0) as raw:
-        f = WritebackStream(raw) if writeback else raw
+        f = WritebackStream(raw, drop_behind=drop_behind) if writeback else raw
         left = nbytes
         while left > 0:
             left -= f.write(chunk[: min(left, len(chunk))])

@@ -74,12 +74,12 @@ from torch import Tensor, nn
 from lightning_zero.checkpoint import (
     FlatShard,
     async_save,
+    engine_tree,
     load,
     maybe_finalize_async_calls,
     save,
     wait_for_staging,
 )
-from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.team import set_up_coordination
 from lightning_zero.checkpoint.tree import is_tensor_leaf, map_leaves, walk
 from lightning_zero.engine import ZeroConfig, ZeroEngine
@@ -143,7 +143,7 @@ class Trainer:
 
     def tree(self, for_load: bool = False) -> dict[str, Any]:
         """The tree a save writes or a load fills, as the strategy builds it."""
-        return ckpt_state.zero_state_dict(self.engine, self.model, for_load=for_load, meta=self.meta)
+        return engine_tree.zero_state_dict(self.engine, self.model, for_load=for_load, meta=self.meta)
 
     def forward_backward(self) -> None:
         self.model(self.batch).square().mean().backward()
@@ -160,7 +160,7 @@ def build_trainer(settings: Settings, rank: int, shard_group_size: int | None = 
                         ZeroConfig(stage=2, shard_group_size=shard_group_size))
     generator = torch.Generator().manual_seed(settings.seed + 1 + rank)
     batch = torch.randn(settings.batch, model_width(settings.size_mb), generator=generator)
-    return Trainer(model, engine, engine.optimizers[0], batch, ckpt_state.module_meta(model))
+    return Trainer(model, engine, engine.optimizers[0], batch, engine_tree.module_meta(model))
 
 
 # ---- tree helpers ---------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def lightning_full_checkpoint(trainer: Trainer) -> dict[str, Any]:
         "epoch": 0,
         "global_step": 1,
         "state_dict": trainer.tree()["model"],
-        "optimizer_states": ckpt_state.full_optimizer_states(trainer.engine),
+        "optimizer_states": engine_tree.full_optimizer_states(trainer.engine),
     }
     return map_leaves(tree, lambda leaf: gather_to_rank0(leaf) if isinstance(leaf, FlatShard) else leaf)
 
@@ -565,7 +565,7 @@ def reshard_run(rank: int, world_size: int, settings: Settings, path: str,
     trainer = build_trainer(settings, rank)
     set_up_coordination()
     for opt in trainer.engine.optimizers:
-        ckpt_state.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
+        engine_tree.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
     tree = trainer.tree(for_load=True)
     load(tree, path)
     matches = matches_saved_shards(tree, expected)

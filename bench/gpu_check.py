@@ -345,7 +345,7 @@ def check_step_with_save_in_flight() -> str:
     import tempfile
 
     from lightning_zero.checkpoint import maybe_finalize_async_calls, saver, zero_state_dict
-    from lightning_zero.checkpoint.state import module_meta
+    from lightning_zero.checkpoint.engine_tree import module_meta
 
     init_one_rank("nccl")
     try:

@@ -22,8 +22,8 @@ rank's local plan, the coordinator's global plan over every rank's local plan (d
 validation, ``.metadata``), and each rank's final plan; a load plans each rank's reads against
 ``.metadata``, which every loading rank unpickles (timed here) after the coordinator read it and
 broadcast it ([Note: shared metadata]). None of it needs a collective, so the simulation runs the real planners
-(:class:`~lightning_zero.checkpoint.dcp_items.FlatChunkSavePlanner`, DCP's file writer,
-:class:`~lightning_zero.checkpoint.dcp_items.FlatChunkLoadPlanner`) on the tree every rank hands DCP
+(:class:`~lightning_zero.checkpoint.dcp_adapter.FlatChunkSavePlanner`, DCP's file writer,
+:class:`~lightning_zero.checkpoint.dcp_adapter.FlatChunkLoadPlanner`) on the tree every rank hands DCP
 (fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every tensor as flat chunks, AdamW's ``step``
 counters as replicated scalars), one rank after the other in this process, and times the steps as
 one rank (the slowest: rank 0, also the coordinator) would run them. The bytes that DCP's gathers
@@ -232,19 +232,6 @@ class SavePlanTimes:
     """The coordinator's global plan as above (no cache), with Python's collector running during it."""
 
 
-@contextlib.contextmanager
-def collector_running() -> Iterator[None]:
-    """The planners and the ``.metadata`` unpickler as they were before they paused Python's cyclic
-    collector ([Note: no collections while planning]): the side-by-side control."""
-    from lightning_zero.checkpoint import dcp_items
-
-    dcp_items.PAUSE_GC = False
-    try:
-        yield
-    finally:
-        dcp_items.PAUSE_GC = True
-
-
 @dataclass
 class PlanResult:
     world_size: int
@@ -257,9 +244,9 @@ class PlanResult:
     metadata_bytes: int
     """``.metadata`` with one storage record per written item, pickled."""
     metadata_unpickle_ms: float
-    """Unpickling those bytes as every loading rank does (``integrity.unpickle_metadata``)."""
+    """Unpickling those bytes as every loading rank does (``dcp_integrity.unpickle_metadata``)."""
     metadata_unpickle_collector_ms: float
-    """The same with Python's collector running (:func:`collector_running`)."""
+    """The same with Python's collector running (``pause_gc=False``: the side-by-side control)."""
     local_load_ms: float
     """Rank 0's read plan against that ``.metadata``, loading at the same world size."""
     reshard_load_ms: float
@@ -300,7 +287,7 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from lightning_zero.checkpoint.dcp_items import (
+    from lightning_zero.checkpoint.dcp_adapter import (
         FlatChunkSavePlanner,
         forget_plans,
         plan_cache_key,
@@ -329,13 +316,12 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
         global_plans = writer.prepare_global_plan(global_plans)
         global_save_ms = (time.perf_counter() - start) * 1e3
         # The control: the same global plan (uncached) with the collector running, the rest as above.
-        control = FlatChunkSavePlanner()
+        control = FlatChunkSavePlanner(pause_gc=False)
         control.set_up_planner(state_dict=rank_dcp_state(shapes, 0, world_size), storage_meta=None,
                                is_coordinator=True)
-        with collector_running():
-            start = time.perf_counter()
-            writer.prepare_global_plan(control.create_global_plan(plans)[0])
-            global_save_collector_ms = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        writer.prepare_global_plan(control.create_global_plan(plans)[0])
+        global_save_collector_ms = (time.perf_counter() - start) * 1e3
         del control
         # DCP's plan caches are class attributes, one entry per key: in this one process only rank 0
         # may fill the local ones, as its own process would.
@@ -366,8 +352,8 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from lightning_zero.checkpoint.dcp_items import FlatChunkLoadPlanner, chunk_bytes
-    from lightning_zero.checkpoint.integrity import unpickle_metadata
+    from lightning_zero.checkpoint.dcp_adapter import FlatChunkLoadPlanner, chunk_bytes
+    from lightning_zero.checkpoint.dcp_integrity import unpickle_metadata
 
     planned = plan_save(world_size, blocks)
     local_plan_bytes = len(pickle.dumps(planned.plans[0]))
@@ -385,24 +371,22 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     raw_metadata = pickle.dumps(metadata)
     metadata_bytes = len(raw_metadata)
     unpickle_ms = []
-    for control in (False, True):
-        with collector_running() if control else contextlib.nullcontext():
-            start = time.perf_counter()
-            unpickle_metadata(raw_metadata, "simulated")
-            unpickle_ms.append((time.perf_counter() - start) * 1e3)
+    for control in (False, True):  # the control: Python's collector running, as before the pause
+        start = time.perf_counter()
+        unpickle_metadata(raw_metadata, "simulated", pause_gc=not control)
+        unpickle_ms.append((time.perf_counter() - start) * 1e3)
     del raw_metadata
 
-    def load_plan_ms(load_world_size: int) -> float:
+    def load_plan_ms(load_world_size: int, pause_gc: bool = True) -> float:
         state = rank_dcp_state(planned.shapes, 0, load_world_size)
         start = time.perf_counter()
-        planner = FlatChunkLoadPlanner()
+        planner = FlatChunkLoadPlanner(pause_gc=pause_gc)
         planner.set_up_planner(state, metadata, is_coordinator=True)
         planner.create_local_plan()
         return (time.perf_counter() - start) * 1e3
 
     local_load_ms = load_plan_ms(world_size)
-    with collector_running():
-        local_load_collector_ms = load_plan_ms(world_size)
+    local_load_collector_ms = load_plan_ms(world_size, pause_gc=False)
     return PlanResult(world_size=world_size, tensors=len(planned.shapes), save=planned.times,
                       local_plan_bytes=local_plan_bytes, gathered_bytes=gathered_bytes, metadata_bytes=metadata_bytes,
                       metadata_unpickle_ms=unpickle_ms[0], metadata_unpickle_collector_ms=unpickle_ms[1],

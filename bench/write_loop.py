@@ -25,13 +25,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,49 +40,43 @@ from checkpoint import RAW_WRITE_CHUNK, Settings, build_trainer, per_rank_state,
 
 from lightning_zero.checkpoint import (
     async_save,
-    dcp_items,
     maybe_finalize_async_calls,
     wait_for_staging,
-    writeback,
 )
 from lightning_zero.checkpoint.team import set_up_coordination
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 METHODS = ("raw", "raw_writeback", "raw_writeback_cached", "sharded", "sharded_one_thread", "sharded_cached",
            "sharded_no_writeback", "local", "dcp_save")
 
 
-@contextlib.contextmanager
-def writer_settings(method: str) -> Iterator[None]:
+def writer_settings(method: str) -> CheckpointTuning:
     """The writers as ``method`` names them: ``_cached`` keeps the written pages in the page cache,
     ``_no_writeback`` leaves all the writing to the final fsync, ``_one_thread`` writes a ``sharded``
     save's items on one thread ([Note: parallel writes])."""
-    saved = writeback.WRITEBACK_BYTES, writeback.DROP_BEHIND, dcp_items.WRITE_THREADS
-    if method.endswith("_no_writeback"):
-        writeback.WRITEBACK_BYTES = 2**62  # never reached: the final fsync writes everything
-    writeback.DROP_BEHIND = not method.endswith("_cached")
-    if method.endswith("_one_thread"):
-        dcp_items.WRITE_THREADS = 1
-    try:
-        yield
-    finally:
-        writeback.WRITEBACK_BYTES, writeback.DROP_BEHIND, dcp_items.WRITE_THREADS = saved
+    return CheckpointTuning(
+        writeback_bytes=2**62 if method.endswith("_no_writeback") else DEFAULT_TUNING.writeback_bytes,
+        drop_behind=not method.endswith("_cached"),
+        write_threads=1 if method.endswith("_one_thread") else DEFAULT_TUNING.write_threads,
+    )
 
 
 def one_write(method: str, trainer: Any, plain: dict[str, Any], path: str, rank: int, nbytes: int,
               chunk: memoryview) -> float:
-    with writer_settings(method):
-        if method.startswith("raw"):
-            start, end = write_raw(f"{path}-rank{rank}.bin", nbytes, chunk, writeback=method != "raw")
-            return end - start
-        if method == "dcp_save":
-            start = time.perf_counter()
-            dcp.save(plain, checkpoint_id=path)
-            return time.perf_counter() - start
-        async_save(trainer.tree(), path, mode="local" if method == "local" else "sharded")
-        wait_for_staging()
+    tuning = writer_settings(method)
+    if method.startswith("raw"):
+        start, end = write_raw(f"{path}-rank{rank}.bin", nbytes, chunk, writeback=method != "raw",
+                               drop_behind=tuning.drop_behind)
+        return end - start
+    if method == "dcp_save":
         start = time.perf_counter()
-        maybe_finalize_async_calls(blocking=True)
+        dcp.save(plain, checkpoint_id=path)
         return time.perf_counter() - start
+    async_save(trainer.tree(), path, mode="local" if method == "local" else "sharded", tuning=tuning)
+    wait_for_staging()
+    start = time.perf_counter()
+    maybe_finalize_async_calls(blocking=True)
+    return time.perf_counter() - start
 
 
 def loop(rank: int, world_size: int, settings: Settings, rounds: int) -> dict[str, Any]:

@@ -98,7 +98,6 @@ class _LinkAfterCommit:
         self.callback = callback
 
     def __call__(self, trainer: Any, filepath: str, linkpath: str) -> None:
-        from lightning_zero.checkpoint import saver
         from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 
         io = trainer.strategy.checkpoint_io
@@ -106,7 +105,7 @@ class _LinkAfterCommit:
             type(self.callback)._link_checkpoint(trainer, filepath, linkpath)
             return
         if trainer.is_global_zero:
-            saver.link(filepath, linkpath, io.storage_options)
+            io.link(filepath, linkpath)
         trainer.strategy.barrier()
 
 

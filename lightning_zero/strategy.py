@@ -34,13 +34,13 @@ from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import saver, team
-from lightning_zero.checkpoint import state as ckpt_state
-from lightning_zero.checkpoint import trainer as ckpt_trainer
-from lightning_zero.checkpoint.metrics import CheckpointMetrics
-from lightning_zero.checkpoint.modes import full
-from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
-from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
+from lightning_zero.checkpoint import (
+    CheckpointMetrics,
+    ZeroCheckpointIO,
+    engine_tree,
+    lightning_tree,
+    wait_for_staging,
+)
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -132,7 +132,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
         self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
-        self._pending_weights: ckpt_trainer.PendingWeights | None = None
+        self._pending_weights: lightning_tree.PendingWeights | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -204,20 +204,28 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
             # Once, now that dtypes are final and no gather is in flight: per save it would wait
             # for the step's overlapped gathers on the training thread (module_meta's docstring).
-            self._module_meta = ckpt_state.module_meta(self.model)
+            self._module_meta = engine_tree.module_meta(self.model)
             self._engine_live = True
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
             for optimizer in self._engine.optimizers:
                 # The only mutation of checkpointed tensors: a save still staging must finish first.
                 # After the closure, so staging overlaps training_step and backward (DESIGN.md).
-                optimizer.register_pre_update_hook(saver.wait_for_staging)
+                optimizer.register_pre_update_hook(self._wait_for_staging)
         else:
             self.optimizers = []
             self.lr_scheduler_configs = []
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            team.set_up_coordination(self.num_processes)  # every save coordinates in the background, also after validate/test
+            self.checkpoint_io.set_up(self.num_processes)  # saves coordinate in the background, also after validate/test
+
+    def _wait_for_staging(self) -> None:
+        """The staging fence: a save still copying the state finishes before it changes."""
+        io = self.checkpoint_io
+        if isinstance(io, ZeroCheckpointIO):
+            io.wait_for_staging()
+        else:
+            wait_for_staging()  # a save through the functional API, if any
 
     def _release_engine(self) -> None:
         if self._engine is not None:
@@ -234,7 +242,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self._engine_live:
             assert self.model is not None
-            ckpt_trainer.broadcast_buffers(self.model)
+            lightning_tree.broadcast_buffers(self.model)
         output = super().training_step(*args, **kwargs)
         if self.nonfinite_loss != "ignore" and self._engine_live:
             output = self._check_finite_loss(output)
@@ -313,7 +321,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         engine.py). Called where Lightning has just run user code between steps."""
         if self._engine is None:
             return
-        saver.wait_for_staging()  # a save still copying the masters finishes first
+        self._wait_for_staging()  # a save still copying the masters finishes first
         self._engine.adopt_module_writes(compare_values)
 
     @override
@@ -413,25 +421,23 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
-            io.save_checkpoint(ckpt_trainer.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
+            io.save_checkpoint(lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
                                storage_options)
-            saver.note_blocked(time.perf_counter() - called)  # building the tree included
+            io.note_blocked(time.perf_counter() - called)  # building the tree included
             if not self._engine_live:
-                saver.maybe_finalize_async_calls(blocking=True)
+                io.finalize()
             return
-        # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0.
-        tree = ckpt_trainer.build_tree(checkpoint, module, self._engine, "full", self._saved_meta())
-        whole = full.gather_tree_to_rank0(tree, None)  # on the training group, this thread
+        # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0,
+        # gathered on the training group, this thread.
+        whole = lightning_tree.gather_full_checkpoint(checkpoint, module, self._engine, self._saved_meta())
         if self.is_global_zero:
-            whole.pop(TREE_TAG)
-            whole.pop(MARKER_FIELDS, None)
             io.save_checkpoint(whole, filepath, storage_options=storage_options)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's ``state_dict()``, as under DDP: what ``on_save_checkpoint`` hooks see and edit.
 
-        A save then holds what the hooks left ([Note: what a checkpoint holds] in checkpoint/trainer.py):
+        A save then holds what the hooks left ([Note: what a checkpoint holds] in checkpoint/lightning_tree.py):
         entries still holding the module's own tensors are written from the engine's exact fp32 masters.
         ``state_dict()`` finishes the step's overlapped parameter gathers first (a hook may read the
         values), so a step that saves gives up that overlap. ``exclude_frozen_parameters``: parameters
@@ -471,9 +477,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         strict = bool(getattr(module, "strict_loading", True))
         may_lack = self._may_lack(module)
         # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
-        # applied, as under DDP ([Note: hook before weights] in checkpoint/trainer.py).
+        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning_tree.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
-        pending: list[ckpt_trainer.PendingWeights] = []
+        pending: list[lightning_tree.PendingWeights] = []
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
@@ -481,17 +487,17 @@ class ZeroLowLevelStrategy(DDPStrategy):
             if engine is None:
                 # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads the marker
                 # and a sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
-                return ckpt_trainer.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
+                return lightning_tree.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
                                                  apply=not hook_first, shared=isinstance(io, ZeroCheckpointIO))
-            return ckpt_trainer.load_zero_state_local(engine, module, candidate, options, strict=strict,
+            return lightning_tree.load_engine_state(engine, module, candidate, options, strict=strict,
                                                       may_lack=may_lack, pending=pending if hook_first else None)
 
-        _, result = ckpt_trainer.load_with_fallback(
+        _, result = lightning_tree.load_with_fallback(
             path, options, load_one, lambda ok: self.reduce_boolean_decision(ok, all=True), rank_zero_warn
         )
         self._pending_weights = pending[0] if pending else None
         if engine is not None and not pending:
-            ckpt_trainer.publish(engine, module)  # collectives only once every rank has loaded
+            lightning_tree.publish(engine, module)  # collectives only once every rank has loaded
         self._loaded_by_strategy = not hook_first
         return result
 
@@ -510,12 +516,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         assert module is not None
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None and self._engine is not None:
-            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/trainer.py).
-            ckpt_trainer.apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
+            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning_tree.py).
+            lightning_tree.apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
                                                self._may_lack(module))
-            ckpt_trainer.publish(self._engine, module)
+            lightning_tree.publish(self._engine, module)
             return
-        ckpt_trainer.keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
+        lightning_tree.keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
@@ -532,7 +538,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._engine_live = False
         super().teardown()  # the plugin's teardown finalizes the save in flight
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            saver.release()  # its thread and group end with the run; a later save makes them again
+            self.checkpoint_io.release()  # its thread and group end with the run; a later save makes them again
 
     @classmethod
     @override

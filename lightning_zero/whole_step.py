@@ -47,7 +47,7 @@ the tests run both)."""
 def is_split_state(key: str, value: Any, param_shape: torch.Size) -> bool:
     """Whether a shape-aware optimizer's state value (in full form) is held as even shards between
     steps: a tensor shaped like the parameter. A 0-dim parameter's state is shaped like the scalar
-    ``step``; the key decides there. (The rule of ``full`` checkpoints too: state.py.)"""
+    ``step``; the key decides there. (The rule of ``full`` checkpoints too: checkpoint/engine_tree.py.)"""
     return isinstance(value, Tensor) and value.shape == param_shape and (len(param_shape) > 0 or key != "step")
 
 

@@ -26,8 +26,7 @@ from lightning_cases import NetModule, loader
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroLowLevelStrategy
-from lightning_zero.checkpoint import ZeroCheckpointIO, async_save, load, save
-from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint import ZeroCheckpointIO, async_save, engine_tree, load, save
 
 MODES = ("local", "sharded", "full")
 SAVED_AT_STEP = 2
@@ -106,10 +105,10 @@ def load_into(engine: ZeroEngine, model: nn.Module, path: str, state_names: Iter
     optimizer state for the parameters that had some, fill the tree, restore the hyper-parameters,
     gather the masters into the model."""
     opt = engine.optimizers[0]
-    ckpt_state.materialize_optimizer_state(opt, set(state_names))
-    tree = ckpt_state.zero_state_dict(engine, model, for_load=True)
+    engine_tree.materialize_optimizer_state(opt, set(state_names))
+    tree = engine_tree.zero_state_dict(engine, model, for_load=True)
     content = load(tree, path, storage_options=storage_options)
-    ckpt_state.apply_param_groups(opt, content["optimizer"][0]["param_groups"])
+    engine_tree.apply_param_groups(opt, content["optimizer"][0]["param_groups"])
     engine.publish_masters()
     return content
 
@@ -122,7 +121,7 @@ def round_trip(rank: int, world_size: int, root: str, modes: tuple[str, ...] = M
     train(model, engine, range(SAVED_AT_STEP), rank, world_size)
     saved = gather_full_state(engine)
     for mode in modes:
-        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
+        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
              storage_options=storage_options)
     train(model, engine, range(SAVED_AT_STEP, TOTAL_STEPS), rank, world_size)
     out: dict[str, Any] = {"saved": saved, "uninterrupted": params(model)}
@@ -147,7 +146,7 @@ def save_and_gather(rank: int, world_size: int, root: str, modes: tuple[str, ...
     model, engine = build(rank, world_size)
     train(model, engine, range(steps), rank, world_size)
     for mode in modes:
-        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
+        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
     full = gather_full_state(engine)
     engine.close()
     return full
@@ -259,10 +258,10 @@ def local_save_collectives(rank: int, world_size: int, root: str) -> dict[str, l
 
     model, engine = build(rank, world_size)
     train(model, engine, range(1), rank, world_size)
-    save(ckpt_state.zero_state_dict(engine, model), f"{root}/warm-up.ckpt", mode="local")
+    save(engine_tree.zero_state_dict(engine, model), f"{root}/warm-up.ckpt", mode="local")
     counter = Collectives()
     with counter.counting():
-        async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/counted.ckpt", mode="local")
+        async_save(engine_tree.zero_state_dict(engine, model), f"{root}/counted.ckpt", mode="local")
         wait_for_staging()
         maybe_finalize_async_calls(blocking=True)
     engine.close()
@@ -355,19 +354,19 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
 
     path = f"{root}/last.ckpt"
     model, engine = build(rank, world_size)
-    save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
+    save(engine_tree.zero_state_dict(engine, model), path, mode="local")
     saved = gather_full_state(engine)
     train(model, engine, range(1), rank, world_size)
     real_write = file_io.torch_save_to
 
-    def full_disk(loc: Any, target: str, obj: Any) -> None:
+    def full_disk(loc: Any, target: str, obj: Any, tuning: Any = None) -> None:
         if rank == failing_rank:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(loc, target, obj)
 
     file_io.torch_save_to = full_disk
     try:
-        async_save(ckpt_state.zero_state_dict(engine, model), path, mode="local")
+        async_save(engine_tree.zero_state_dict(engine, model), path, mode="local")
         error = None
         try:
             maybe_finalize_async_calls(blocking=True)
@@ -383,18 +382,18 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
 def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, bool]:
     """Two ``sharded`` saves of one tree structure, then both loaded back: (global plans the
     coordinator computed, whether both loads equal what was saved). [Note: cached save plans]"""
-    from lightning_zero.checkpoint import dcp_items
+    from lightning_zero.checkpoint import dcp_adapter
     from lightning_zero.checkpoint.tree import FlatShard
     from lightning_zero.sharding import EvenShard
 
     planned = []
-    original = dcp_items.FlatChunkSavePlanner._create_global_plan
+    original = dcp_adapter.FlatChunkSavePlanner._create_global_plan
 
     def counted(self: Any, all_plans: list[Any]) -> Any:
         planned.append(len(all_plans))
         return original(self, all_plans)
 
-    dcp_items.FlatChunkSavePlanner._create_global_plan = counted  # type: ignore[method-assign]
+    dcp_adapter.FlatChunkSavePlanner._create_global_plan = counted  # type: ignore[method-assign]
     layout = EvenShard(10, world_size)
 
     def tree(value: float) -> dict[str, Any]:
@@ -412,7 +411,7 @@ def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, 
             expected = tree(value)
             same &= torch.equal(target["w"].local, expected["w"].local) and torch.equal(target["b"], expected["b"])
     finally:
-        dcp_items.FlatChunkSavePlanner._create_global_plan = original  # type: ignore[method-assign]
+        dcp_adapter.FlatChunkSavePlanner._create_global_plan = original  # type: ignore[method-assign]
     return len(planned), same
 
 
@@ -469,13 +468,12 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
     (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
     a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
-    from lightning_zero.checkpoint import trainer as ckpt_trainer
-    from lightning_zero.checkpoint import writeback
+    from lightning_zero.checkpoint import lightning_tree, writeback
 
     model, engine = build(rank, world_size)
     train(model, engine, range(SAVED_AT_STEP), rank, world_size)
     path = f"{root}/sharded.ckpt"
-    save(ckpt_state.zero_state_dict(engine, model), path, mode="sharded")
+    save(engine_tree.zero_state_dict(engine, model), path, mode="sharded")
     saved = gather_full_state(engine)
     engine.close()
     out: dict[str, Any] = {"saved": saved}
@@ -486,7 +484,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
             if kind == "load":
                 load_into(fresh, fresh_model, path, saved["state"])
             else:
-                ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+                lightning_tree.load_zero_state_dict(fresh, fresh_model, path)
             out[kind] = {"reads": len(opened), "loaded": gather_full_state(fresh)}
             fresh.close()
     # A save still in flight when a load starts: the load finalizes it first (its background
@@ -507,17 +505,17 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     writeback.WritebackFileSystem.create_stream = slowly  # type: ignore[method-assign]
     try:
-        async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/in-flight.ckpt", mode="sharded")
+        async_save(engine_tree.zero_state_dict(engine, model), f"{root}/in-flight.ckpt", mode="sharded")
         in_flight = gather_full_state(engine)
         engine.close()
         fresh_model, fresh = build(rank, world_size, perturb=1.0)
-        ckpt_trainer.load_zero_state_dict(fresh, fresh_model, path)
+        lightning_tree.load_zero_state_dict(fresh, fresh_model, path)
     finally:
         writeback.WritebackFileSystem.create_stream = original  # type: ignore[method-assign]
     out["in_flight"] = {"loaded": gather_full_state(fresh), "saved": in_flight}
     fresh.close()
     fresh_model, fresh = build(rank, world_size, perturb=1.0)
-    ckpt_trainer.load_zero_state_dict(fresh, fresh_model, f"{root}/in-flight.ckpt")
+    lightning_tree.load_zero_state_dict(fresh, fresh_model, f"{root}/in-flight.ckpt")
     out["in_flight"]["loaded_later"] = gather_full_state(fresh)
     fresh.close()
     # Only one rank cannot read .metadata: the coordinator (every rank fails with its error), or
@@ -538,12 +536,12 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def resume_outcome(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """A fresh engine resumed from ``path`` (``load_zero_state_dict``): the error (its text and notes)
     or the state loaded, and whether a failed load left the model's weights untouched."""
-    from lightning_zero.checkpoint import trainer as ckpt_trainer
+    from lightning_zero.checkpoint import lightning_tree
 
     model, engine = build(rank, world_size, perturb=1.0)
     before = params(model)
     try:
-        ckpt_trainer.load_zero_state_dict(engine, model, path)
+        lightning_tree.load_zero_state_dict(engine, model, path)
     except Exception as exc:  # noqa: BLE001 - the error under test
         outcome: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
     else:

@@ -371,7 +371,7 @@ def run_gather_overlap(rank: int, world_size: int, steps: int = 4) -> dict[str, 
     _deep_step(plain_model, plain_engine, steps, rank, world_size)
     observations["pending_before_state_dict"] = engine.gatherer.pending
     # A checkpoint's tree needs only the masters: building it (as every save does) waits for nothing.
-    from lightning_zero.checkpoint.state import zero_state_dict
+    from lightning_zero.checkpoint.engine_tree import zero_state_dict
 
     zero_state_dict(engine, model, meta={})
     observations["pending_after_checkpoint_tree"] = engine.gatherer.pending

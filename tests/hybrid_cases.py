@@ -37,14 +37,13 @@ def save_hybrid(rank: int, world_size: int, root: str, shard_group_size: int | N
     the bytes this rank wrote."""
     from checkpoint_cases import build, gather_full_state, train
 
-    from lightning_zero.checkpoint import last_save_stats, save
-    from lightning_zero.checkpoint import state as ckpt_state
+    from lightning_zero.checkpoint import engine_tree, last_save_stats, save
 
     model, engine = build(rank, world_size, shard_group_size=shard_group_size)
     train(model, engine, range(steps), rank, world_size)
     written = {}
     for mode in modes:
-        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
+        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
         stats = last_save_stats()
         written[mode] = stats.bytes_written if stats is not None else None
     full = gather_full_state(engine)
@@ -67,8 +66,7 @@ def save_and_load_by_group(rank: int, world_size: int, root: str) -> dict[str, A
     import torch.distributed as dist
     from checkpoint_cases import build, gather_full_state, train
 
-    from lightning_zero.checkpoint import async_save, load, maybe_finalize_async_calls
-    from lightning_zero.checkpoint import state as ckpt_state
+    from lightning_zero.checkpoint import async_save, engine_tree, load, maybe_finalize_async_calls
 
     groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
     mine = groups[rank // 2]
@@ -79,12 +77,12 @@ def save_and_load_by_group(rank: int, world_size: int, root: str) -> dict[str, A
     for name, kwargs in {"coordinator-outside": {"process_group": mine, "coordinator_rank": (rank + 2) % 4},
                          "full-with-group": {"process_group": mine, "mode": "full"}}.items():
         try:
-            async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/never-{name}.ckpt", **kwargs)
+            async_save(engine_tree.zero_state_dict(engine, model), f"{root}/never-{name}.ckpt", **kwargs)
         except ValueError as exc:
             errors[name] = str(exc)
     if rank >= 2:
         for mode in ("sharded", "local"):
-            async_save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
+            async_save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
                        process_group=mine, coordinator_rank=3)
             maybe_finalize_async_calls(blocking=True, process_group=mine, coordinator_rank=3)
     dist.barrier()
@@ -92,10 +90,10 @@ def save_and_load_by_group(rank: int, world_size: int, root: str) -> dict[str, A
     loaded = {}
     for mode, kwargs in {"sharded": {}, "local": {"process_group": mine}}.items():
         fresh_model, fresh = build(rank, world_size, perturb=1.0, shard_group_size=2)
-        ckpt_state.materialize_optimizer_state(fresh.optimizers[0], set(expected["state"]))
-        content = load(ckpt_state.zero_state_dict(fresh, fresh_model, for_load=True), f"{root}/{mode}.ckpt",
+        engine_tree.materialize_optimizer_state(fresh.optimizers[0], set(expected["state"]))
+        content = load(engine_tree.zero_state_dict(fresh, fresh_model, for_load=True), f"{root}/{mode}.ckpt",
                        **kwargs)
-        ckpt_state.apply_param_groups(fresh.optimizers[0], content["optimizer"][0]["param_groups"])
+        engine_tree.apply_param_groups(fresh.optimizers[0], content["optimizer"][0]["param_groups"])
         fresh.publish_masters()
         loaded[mode] = gather_full_state(fresh)
         fresh.close()

@@ -253,13 +253,12 @@ def plain_train(model: nn.Module, opts: list[torch.optim.Optimizer], world_sizes
 
 def save_midway(rank: int, world_size: int, run: Run, root: str, modes: tuple[str, ...]) -> dict[str, Any]:
     """Train 2 steps, save in every mode, train 2 more: the uninterrupted result."""
-    from lightning_zero.checkpoint import save
-    from lightning_zero.checkpoint import state as ckpt_state
+    from lightning_zero.checkpoint import engine_tree, save
 
     model, engine = build(run, rank)
     train(model, engine, range(2), rank, world_size)
     for mode in modes:
-        save(ckpt_state.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
+        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
     train(model, engine, range(2, 4), rank, world_size)
     result = params(model)
     engine.close()
@@ -268,13 +267,13 @@ def save_midway(rank: int, world_size: int, run: Run, root: str, modes: tuple[st
 
 def resume(rank: int, world_size: int, run: Run, path: str) -> dict[str, Any]:
     """A fresh engine (other initial weights) resumed from ``path``, then steps 2 and 3."""
-    from lightning_zero.checkpoint import trainer as ckpt_trainer
+    from lightning_zero.checkpoint import lightning_tree
 
     model, engine = build(run, rank)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    ckpt_trainer.load_zero_state_dict(engine, model, path)
+    lightning_tree.load_zero_state_dict(engine, model, path)
     train(model, engine, range(2, 4), rank, world_size)
     result = params(model)
     engine.close()

@@ -106,7 +106,7 @@ def test_a_checkpoint_tree_holds_the_module_parameters_of_the_moment(single_rank
     weights appear once, as in ``named_parameters()``."""
     from torch import nn
 
-    from lightning_zero.checkpoint.state import zero_state_dict
+    from lightning_zero.checkpoint.engine_tree import zero_state_dict
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))

@@ -1,5 +1,5 @@
 """A ``sharded`` checkpoint's ``.metadata`` (every rank's items: ~110 MB at 1024 ranks) is read by one
-rank per load and broadcast ([Note: shared metadata] in saver.py), in the functional ``load`` and in
+rank per load and broadcast ([Note: shared metadata] in opening.py), in the functional ``load`` and in
 the Trainer's resume, whose key check used to read it a second time; a failed read fails every rank."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Early writeback of local checkpoint files ([Note: early writeback] in checkpoint/storage.py): what
+"""Early writeback of local checkpoint files ([Note: early writeback] in checkpoint/writeback.py): what
 the writers hand the kernel while they write, and that nothing about the files changes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.checkpoint import FlatShard, load, save, writeback
+from lightning_zero.checkpoint import CheckpointTuning, FlatShard, load, save, writeback
 
 MIB = 2**20
 
@@ -100,9 +100,8 @@ def big_state(value: float) -> dict[str, Any]:
 def test_every_mode_starts_writeback_while_writing_and_loads_the_same_state(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: Recorder, single_rank_group: None,
         mode: str) -> None:
-    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 4 * MIB)
     path = tmp_path / "ckpt"
-    save(big_state(1.5), str(path), mode=mode)
+    save(big_state(1.5), str(path), mode=mode, tuning=CheckpointTuning(writeback_bytes=4 * MIB))
     assert sum(length for _, _, length in recorder.calls) >= 8 * MIB  # of the 12 MiB file
     target = big_state(0.0)
     load(target, str(path))
@@ -115,9 +114,8 @@ def test_a_failed_writeback_request_leaves_the_save_to_the_fsync(tmp_path: Path,
     # A file that does not take the requests (EINVAL): the save must not fail or change.
     failing = Recorder(result=-1, wait_result=-1, error=errno.EINVAL)
     monkeypatch.setattr(writeback, "_sync_file_range", failing)
-    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 4 * MIB)
     path = tmp_path / "ckpt"
-    save(big_state(2.5), str(path), mode="sharded")
+    save(big_state(2.5), str(path), mode="sharded", tuning=CheckpointTuning(writeback_bytes=4 * MIB))
     assert failing.calls
     target = big_state(0.0)
     load(target, str(path))
@@ -194,9 +192,8 @@ def test_a_file_that_refuses_the_wait_is_left_to_the_fsync(tmp_path: Path, monke
 
 def test_with_drop_behind_off_nothing_is_waited_for_or_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 recorder: Recorder) -> None:
-    monkeypatch.setattr(writeback, "DROP_BEHIND", False)
     with open(tmp_path / "file.bin", "wb", buffering=0) as f:
-        stream = writeback.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB, drop_behind=False)
         for _ in range(3):
             stream.write(b"x" * MIB)
     assert [what for what, _, _ in recorder.events] == ["start"] * 3
@@ -241,10 +238,9 @@ def test_a_file_being_written_keeps_about_one_range_in_the_page_cache(tmp_path: 
     fs_type = _mount_type(tmp_path)
     if fs_type not in PAGE_CACHE_FILE_SYSTEMS:
         pytest.skip(f"{tmp_path} is on {fs_type}, which may keep its pages elsewhere (memory, its own cache)")
-    monkeypatch.setattr(writeback, "DROP_BEHIND", drop_behind)
     path = tmp_path / "file.bin"
     with open(path, "wb", buffering=0) as f:
-        stream = writeback.WritebackStream(f, every=MIB)
+        stream = writeback.WritebackStream(f, every=MIB, drop_behind=drop_behind)
         for _ in range(16):
             stream.write(os.urandom(MIB))
         resident = _resident_bytes(path)  # before the fsync: what a save holds while it writes

@@ -1,6 +1,8 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
 from lightning_zero.checkpoint.convert import convert, save_pretrained
+from lightning_zero.checkpoint.engine_tree import zero_state_dict
+from lightning_zero.checkpoint.lightning_tree import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.metrics import CheckpointMetrics, SaveStats
 from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.reader import read_lightning_checkpoint
@@ -17,16 +19,16 @@ from lightning_zero.checkpoint.saver import (
     save,
     wait_for_staging,
 )
-from lightning_zero.checkpoint.state import zero_state_dict
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
-from lightning_zero.checkpoint.trainer import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.tree import FlatShard
+from lightning_zero.checkpoint.tuning import CheckpointTuning
 
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointMetrics",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointTuning",
     "FlatShard",
     "SaveStats",
     "ZeroCheckpointIO",

@@ -60,7 +60,7 @@ def save_pretrained(module: nn.Module, folder: str, *, max_shard_size: int | str
 
     Call it on rank 0 after training (the parameters are whole on every rank; under ZeroLowLevelStrategy
     ``trainer.fit`` has finished every parameter gather by the time it returns)."""
-    from lightning_zero.checkpoint.state import find_pretrained
+    from lightning_zero.checkpoint.engine_tree import find_pretrained
 
     found = find_pretrained(module)
     if found is None:

@@ -74,21 +74,18 @@ class FlatChunk:
         return f"FlatChunk(numel={self.numel}, offset={self.offset}, local={self.local.numel()})"
 
 
-PAUSE_GC = True
-"""Whether :func:`gc_paused` pauses the collector ([Note: no collections while planning]); the
-benchmarks turn it off to measure what it brings."""
-
 _gc_lock = threading.Lock()
 _gc_pauses = 0
 _gc_was_enabled = False
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(enabled: bool = True) -> Iterator[None]:
     """Python's cyclic garbage collector off while inside (any thread; nested and concurrent uses
-    nest). [Note: no collections while planning]"""
+    nest); nothing when not ``enabled`` (``CheckpointTuning.pause_gc``). [Note: no collections while
+    planning]"""
     global _gc_pauses, _gc_was_enabled
-    if not PAUSE_GC:
+    if not enabled:
         yield
         return
     with _gc_lock:
@@ -135,11 +132,12 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
     ``spread_replicas``: see [Note: spread replicated writes]. ``cache_key``: given, DCP's plans are
     cached under it ([Note: cached save plans]; the same key on every rank, see :func:`plan_cache_key`)."""
 
-    def __init__(self, spread_replicas: bool = False, cache_key: str | None = None) -> None:
+    def __init__(self, spread_replicas: bool = False, cache_key: str | None = None, pause_gc: bool = True) -> None:
         super().__init__(dedup_save_to_lowest_rank=True, **_compat.save_planner_kwargs(cache_key is not None))
         if cache_key is not None:
             self._cached_plans_key = cache_key  # DCP's caches are class attributes under this name
         self.spread_replicas = spread_replicas
+        self.pause_gc = pause_gc
         self.bytes_planned = 0
 
     def lookup_object(self, index: MetadataIndex) -> Any:
@@ -151,7 +149,7 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
     def create_global_plan(self, all_plans: list[Any]) -> Any:
-        with gc_paused():  # [Note: no collections while planning]
+        with gc_paused(self.pause_gc):  # [Note: no collections while planning]
             return super().create_global_plan(all_plans)
 
     def _dedup_save_plans(self, all_plans: list[Any]) -> list[Any]:
@@ -225,6 +223,10 @@ def forget_other_plans(key: str) -> None:
 class FlatChunkLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, for state dicts that hold :class:`FlatChunk` targets."""
 
+    def __init__(self, pause_gc: bool = True) -> None:
+        super().__init__()
+        self.pause_gc = pause_gc
+
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         chunks = {key: value for key, value in state_dict.items() if isinstance(value, FlatChunk)}
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -233,7 +235,7 @@ class FlatChunkLoadPlanner(DefaultLoadPlanner):
         self.state_dict.update(chunks)
 
     def create_local_plan(self) -> Any:
-        with gc_paused():  # [Note: no collections while planning]
+        with gc_paused(self.pause_gc):  # [Note: no collections while planning]
             return super().create_local_plan()
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
@@ -332,37 +334,31 @@ def parallel_reads(base: type, threads: int) -> type:
     return ParallelReader
 
 
-def read_threads(local_ranks: int) -> int:
+def read_threads(local_ranks: int, most: int) -> int:
     """Reader threads per rank: the CPUs this process may use, shared by the ranks of its node,
-    at most ``MAX_READ_THREADS``."""
+    at most ``most`` (``CheckpointTuning.max_read_threads``)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_READ_THREADS, cpus // max(1, local_ranks)))
+    return max(1, min(most, cpus // max(1, local_ranks)))
 
 
-MAX_READ_THREADS = 4
-
-WRITE_THREADS = 2
-"""Writer threads, each with its own file, per rank of a ``sharded`` save.
-
-[Note: parallel writes] DCP's file writer serializes an item (the zip records and their CRC32) and
-then writes it, one item after the other on one thread: the disk idles while the CPU serializes,
-and the CPU idles while the stream waits for the disk ([Note: drop behind] in storage.py). Two
-threads over disjoint items overlap the two. That is overlap, not CPU parallelism, so unlike the
-reader threads the count does not shrink with the CPUs per rank: on this project's 2-core machine,
-with both ranks writing, a 284 MB-per-rank save wrote in 0.70 s with two threads and 0.73 s with one
-(``bench/write_loop.py``, ``sharded_one_thread``); an ad-hoc interleaved loop gave 0.63 s for two,
-0.71 s for one and 0.67 s for four. Megatron-core's ``torch_dist`` save strategy also writes with
-two threads per rank by default.
-
-DCP's threads handle failures badly: an extra thread that raises just ends (its files' results are
-missing from what ``write_data`` returns), and when the calling thread's own part raises it stops
-without joining the others, which go on writing into a version the failed save then deletes. So
-the checksumming file system (``integrity.checksumming_writer``) records a data file's failure
-(creating it, writing it, its fsync or close) instead of raising it, every thread runs to its end,
-and ``write_data`` then raises the first one; a planned item without a result fails the save too.
-Once one file has failed, the other threads' next writes fail too (``integrity.SaveAbandoned``), so
-they end within one write instead of writing the rest of a save that is lost; on S3 the failed
-file and the stopped ones abort their multipart uploads (``storage.abort_upload``) rather than
-complete them at close. This holds with checksums off too (``checksums_disabled``).
-``.metadata``, written after, fails as it comes. A KeyboardInterrupt or SystemExit in a data
-file is not kept but goes on up; it still stops the other files at their next write."""
+# [Note: parallel writes] ``CheckpointTuning.write_threads`` writer threads, each with its own file, per
+# rank of a ``sharded`` save. DCP's file writer serializes an item (the zip records and their CRC32) and
+# then writes it, one item after the other on one thread: the disk idles while the CPU serializes,
+# and the CPU idles while the stream waits for the disk ([Note: drop behind] in writeback.py). Two
+# threads over disjoint items overlap the two. That is overlap, not CPU parallelism, so unlike the
+# reader threads the count does not shrink with the CPUs per rank (``bench/write_loop.py``'s
+# ``sharded_one_thread`` row measures one thread against two; BENCHMARKS.md has the figures).
+# Megatron-core's ``torch_dist`` save strategy also writes with two threads per rank by default.
+#
+# DCP's threads handle failures badly: an extra thread that raises just ends (its files' results are
+# missing from what ``write_data`` returns), and when the calling thread's own part raises it stops
+# without joining the others, which go on writing into a version the failed save then deletes. So
+# the checksumming file system (``dcp_integrity.checksumming_writer``) records a data file's failure
+# (creating it, writing it, its fsync or close) instead of raising it, every thread runs to its end,
+# and ``write_data`` then raises the first one; a planned item without a result fails the save too.
+# Once one file has failed, the other threads' next writes fail too (``dcp_integrity.SaveAbandoned``), so
+# they end within one write instead of writing the rest of a save that is lost; on S3 the failed
+# file and the stopped ones abort their multipart uploads (``storage.abort_upload``) rather than
+# complete them at close. This holds with checksums off too (``checksums_disabled``).
+# ``.metadata``, written after, fails as it comes. A KeyboardInterrupt or SystemExit in a data
+# file is not kept but goes on up; it still stops the other files at their next write.

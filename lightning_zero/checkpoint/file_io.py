@@ -17,6 +17,7 @@ import torch
 
 from lightning_zero.checkpoint import storage, writeback
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def preflight(loc: Location, mode: str, rank: int) -> str | None:
@@ -55,7 +56,7 @@ def discard(loc: Location, version_dir: str) -> None:
         pass
 
 
-def torch_save_to(loc: Location, path: str, obj: Any) -> None:
+def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
     Local disks: one file, fsynced. Object stores: one multipart upload that completes at
@@ -64,7 +65,8 @@ def torch_save_to(loc: Location, path: str, obj: Any) -> None:
     if loc.is_local:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            _save_keeping_write_errors(obj, writeback.WritebackStream(f))  # [Note: early writeback]
+            stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind)  # [Note: early writeback]
+            _save_keeping_write_errors(obj, stream)
             f.flush()
             os.fsync(f.fileno())
     else:

@@ -32,8 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_zero.checkpoint import saver, storage
-from lightning_zero.checkpoint import state as ckpt_state
+from lightning_zero.checkpoint import engine_tree, saver, storage
 from lightning_zero.checkpoint.modes import full
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_opened
@@ -58,8 +57,8 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
 
     Without an engine (a save after ``validate``/``test``/``predict``, or before ``fit``) the
     weights are the module's own, and no optimizer state is saved. ``meta``: the module's
-    :func:`~lightning_zero.checkpoint.state.module_meta`, computed now when not given."""
-    meta = meta if meta is not None else ckpt_state.module_meta(module)
+    :func:`~lightning_zero.checkpoint.engine_tree.module_meta`, computed now when not given."""
+    meta = meta if meta is not None else engine_tree.module_meta(module)
     trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     # Lightning's lr_schedulers stay as it put them (a list, empty without a fit): a fit resumed from a
     # save made outside fit restores them as under DDP.
@@ -76,15 +75,15 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         if engine is not None:
             # Masters only where the checkpoint holds the parameter itself (a hook may have replaced it).
             kept = {_storage_key(v) for v in state_dict.values() if isinstance(v, Tensor)}
-            masters = {sp.fqn: ckpt_state.flat_master(sp, engine.shard_size) for sp in engine.sharded_params.values()
+            masters = {sp.fqn: engine_tree.flat_master(sp, engine.shard_size) for sp in engine.sharded_params.values()
                        if sp.master.dtype != sp.param.dtype and _storage_key(sp.param) in kept}
             if masters:
                 tree[MASTERS_KEY] = masters
         if with_optimizer:
             assert engine is not None
-            tree["optimizer_states"] = ckpt_state.full_optimizer_states(engine)
+            tree["optimizer_states"] = engine_tree.full_optimizer_states(engine)
     else:
-        tree = ckpt_state.zero_state_dict(engine, module, meta=meta) if engine is not None else _weights_tree(module)
+        tree = engine_tree.zero_state_dict(engine, module, meta=meta) if engine is not None else _weights_tree(module)
         if "state_dict" in checkpoint:
             tree["model"] = model_after_hooks(tree["model"], checkpoint["state_dict"], module,
                                               engine.named_parameters() if engine is not None else None)
@@ -95,6 +94,18 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         tree[MARKER_FIELDS] = marker_fields(trainer_state)
     tree[TREE_TAG] = mode
     return tree
+
+
+def gather_full_checkpoint(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None,
+                           meta: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any] | None:
+    """(collective on ``group``, default the training group) Lightning's ``checkpoint`` as one whole dict
+    on rank 0, None elsewhere: what a plain ``CheckpointIO`` (``TorchCheckpointIO``) writes."""
+    whole = full.gather_tree_to_rank0(build_tree(checkpoint, module, engine, "full", meta), group)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    whole.pop(TREE_TAG)
+    whole.pop(MARKER_FIELDS, None)
+    return whole
 
 
 def model_after_hooks(model: dict[str, Any], state_dict: dict[str, Any], module: nn.Module,
@@ -158,7 +169,7 @@ class PendingWeights:
     keep: list[Any] = field(default_factory=list)  # the placeholders themselves, alive while ids are used
 
 
-def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
+def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                           storage_options: dict[str, Any] | None = None, *, strict: bool = True,
                           may_lack: frozenset[str] = frozenset(),
                           pending: list[PendingWeights] | None = None) -> dict[str, Any]:
@@ -199,13 +210,13 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
             return content
         if "state_dict" in content:  # Lightning's format (ZeroCheckpointIO or convert wrote it)
             keep_own_values(module, content["state_dict"], checkpoint_id, strict, may_lack)
-            ckpt_state.load_full_into_engine(engine, module, content, strict=strict,
+            engine_tree.load_full_into_engine(engine, module, content, strict=strict,
                                              masters=content.get(MASTERS_KEY))
             return content
         keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
     for index, optimizer in enumerate(engine.optimizers):
-        ckpt_state.materialize_optimizer_state(optimizer, ckpt_state.saved_optimizer_fqns(keys, index))
-    tree = ckpt_state.zero_state_dict(engine, module, for_load=True)
+        engine_tree.materialize_optimizer_state(optimizer, engine_tree.saved_optimizer_fqns(keys, index))
+    tree = engine_tree.zero_state_dict(engine, module, for_load=True)
     if not any(k.startswith("optimizer/") for k in keys):
         tree.pop("optimizer")
     saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
@@ -220,7 +231,7 @@ def load_zero_state_local(engine: ZeroEngine, module: nn.Module, checkpoint_id: 
         del tree["model"][fqn]  # its master keeps the module's value
     objects = saver.load_opened(tree, opened, strict=strict and record is None)
     for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
-        ckpt_state.apply_param_groups(optimizer, saved["param_groups"])
+        engine_tree.apply_param_groups(optimizer, saved["param_groups"])
     content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
     if record is None:
         return {**content, "state_dict": module.state_dict()}
@@ -277,7 +288,7 @@ def apply_pending_weights(engine: ZeroEngine, module: nn.Module, record: Pending
         masters = {fqn: master for fqn, master in (record.full.get(MASTERS_KEY) or {}).items()
                    if isinstance(state_dict.get(fqn), Tensor)
                    and torch.equal(master.reshape(state_dict[fqn].shape).to(state_dict[fqn].dtype), state_dict[fqn])}
-        ckpt_state.load_full_into_engine(engine, module, {**record.full, "state_dict": state_dict}, strict=strict,
+        engine_tree.load_full_into_engine(engine, module, {**record.full, "state_dict": state_dict}, strict=strict,
                                          masters=masters)
         return
     own_keys = set(module.state_dict())
@@ -307,7 +318,7 @@ def apply_pending_weights(engine: ZeroEngine, module: nn.Module, record: Pending
     for key, value in replaced.items():
         _set_own(engine, tensors[key], value, shard=False)
     if renamed:
-        targets = ckpt_state.zero_state_dict(engine, module, for_load=True)["model"]
+        targets = engine_tree.zero_state_dict(engine, module, for_load=True)["model"]
         saver.load({"model": {saved: targets[key] for key, saved in renamed.items()}}, record.url,
                    storage_options=record.options, strict=False)
         rank_zero_warn(f"on_load_checkpoint renamed {len(renamed)} weights of {record.url!r}"
@@ -373,7 +384,7 @@ def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: s
     """(every rank) Resume a fresh engine from a checkpoint of any mode, in one call: master weights,
     optimizer state and hyper-parameters, the model's weights and buffers. Returns the checkpoint's
     other content (for a Lightning checkpoint: loops, callbacks, ...)."""
-    content = load_zero_state_local(engine, module, checkpoint_id, storage_options)
+    content = load_engine_state(engine, module, checkpoint_id, storage_options)
     publish(engine, module)
     return content
 
@@ -384,7 +395,7 @@ def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[st
                  shared: bool = False) -> dict[str, Any]:
     """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
     from any mode and at any world size; no optimizer state. Returns Lightning's part. ``strict`` and
-    ``may_lack`` as in :func:`load_zero_state_local`. ``apply=False``: the weights are only returned, in
+    ``may_lack`` as in :func:`load_engine_state`. ``apply=False``: the weights are only returned, in
     ``state_dict`` (the exact masters where kept), for the module's ``on_load_checkpoint`` to see first.
     ``shared`` (collective: every rank loads the same checkpoint): rank 0 reads the commit marker and a
     sharded checkpoint's ``.metadata`` for every rank ([Note: shared metadata] in opening.py)."""

@@ -17,35 +17,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zero.checkpoint import integrity, storage
+from lightning_zero.checkpoint import dcp_integrity, storage
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, validate_marker_mode
 from lightning_zero.checkpoint.modes import sharded as sharded_mode
 from lightning_zero.checkpoint.scheduler import checkpointer
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.team import Team, from_coordinator
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def open_checkpoint(checkpoint: str | Location, storage_options: dict[str, Any] | None = None, *,
-                    team: Team | None = None) -> OpenedCheckpoint:
+                    team: Team | None = None, tuning: CheckpointTuning = DEFAULT_TUNING) -> OpenedCheckpoint:
     """The checkpoint at ``checkpoint`` opened for one load, on this rank alone, or (collective) for
     every rank of ``team``, whose coordinator alone reads the marker and ``.metadata``."""
     loc = checkpoint if isinstance(checkpoint, Location) else storage.resolve(checkpoint, storage_options)
     if team is None or team.world_size == 1:
-        return _open_here(loc)
+        return _open_here(loc, tuning)
     checkpointer().finalize(blocking=True)  # its background collectives use the same group
 
     def read() -> tuple[dict[str, Any] | None, bytes | None]:
-        opened = _open_here(loc)
+        opened = _open_here(loc, tuning)
         return opened.marker, sharded_mode.read_metadata_bytes(opened) if opened.mode == "sharded" else None
 
     marker, metadata = from_coordinator(read, team, "this checkpoint's commit marker and .metadata")
-    opened = OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker))
+    opened = OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
+                              tuning=tuning)
     if metadata is not None:
         # Unpickled here, once, on every rank (the same bytes fail the same way everywhere).
-        opened.metadata = integrity.unpickle_metadata(metadata, loc.url)
+        opened.metadata = dcp_integrity.unpickle_metadata(metadata, loc.url, opened.tuning.pause_gc)
     return opened
 
 
-def _open_here(loc: Location) -> OpenedCheckpoint:
+def _open_here(loc: Location, tuning: CheckpointTuning) -> OpenedCheckpoint:
     marker = storage.read_marker(loc)
-    return OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker))
+    return OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
+                            tuning=tuning)

@@ -1,4 +1,5 @@
-"""ZeroCheckpointIO: the Lightning CheckpointIO plugin over the async saver."""
+"""ZeroCheckpointIO: the Lightning CheckpointIO plugin over the async saver, and the one door of the
+checkpoint package for ZeroLowLevelStrategy (the staging fence, finalizing, the coordination group)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from typing_extensions import override
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
-from lightning_zero.checkpoint.metrics import SaveStats
-from lightning_zero.checkpoint.saver import Mode
+from lightning_zero.checkpoint.modes import Mode, validate_mode
+from lightning_zero.checkpoint.scheduler import checkpointer
+from lightning_zero.checkpoint.stats import SaveStats
+from lightning_zero.checkpoint.team import set_up_coordination
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 class ZeroCheckpointIO(CheckpointIO):
@@ -27,13 +31,16 @@ class ZeroCheckpointIO(CheckpointIO):
             off the live state in the background, before the next optimizer step.
         storage_options: passed to fsspec (S3 endpoint, profile, credentials). Never written into
             a checkpoint or a log.
+        tuning: the I/O knobs (writer and reader threads, page-cache writeback, the collector pause);
+            the defaults of :class:`~lightning_zero.checkpoint.CheckpointTuning` when not given.
     """
 
     def __init__(self, mode: Mode = "sharded", async_save: bool = True,
-                 storage_options: dict[str, Any] | None = None) -> None:
-        self.mode: Mode = saver.validate_mode(mode)
+                 storage_options: dict[str, Any] | None = None, tuning: CheckpointTuning | None = None) -> None:
+        self.mode: Mode = validate_mode(mode)
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
+        self.tuning = tuning or DEFAULT_TUNING
         self._plain = TorchCheckpointIO()
         # Paths this plugin has saved to (queued, in flight or committed) and not removed since.
         self._claimed: set[str] = set()
@@ -60,9 +67,9 @@ class ZeroCheckpointIO(CheckpointIO):
         options = {**self.storage_options, **(storage_options or {})}
         tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
-                         marker_fields=checkpoint.get(MARKER_FIELDS))
+                         marker_fields=checkpoint.get(MARKER_FIELDS), tuning=self.tuning)
         if not self.async_save:
-            saver.maybe_finalize_async_calls(blocking=True)
+            self.finalize()
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
@@ -83,9 +90,37 @@ class ZeroCheckpointIO(CheckpointIO):
         file exists to pick its ``-vN`` name; ZeroLowLevelStrategy makes it ask this too)."""
         return _claim_key(path) in self._claimed
 
+    def set_up(self, local_ranks: int | None = None) -> None:
+        """(collective, every rank, training thread) Create the group background saves coordinate over,
+        so that no save has to make a collective on the training thread. ``local_ranks``: the ranks on
+        this node, which share its CPUs between their reader threads."""
+        set_up_coordination(local_ranks)
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""
+        checkpointer().wait_for_staging()
+
+    def note_blocked(self, seconds: float) -> None:
+        """The caller's measure of the training thread's time in the newest save (tree building included)."""
+        checkpointer().note_blocked(seconds)
+
+    def finalize(self, blocking: bool = True) -> bool:
+        """Finish the save in flight (``blocking``) or check on it; True when none is left. Raises
+        :class:`~lightning_zero.checkpoint.CheckpointSaveError` if it failed."""
+        return checkpointer().finalize(blocking)
+
+    def link(self, path: Any, link_path: Any) -> None:
+        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed."""
+        saver.link(os.fspath(path), os.fspath(link_path), self.storage_options)
+
     @override
     def teardown(self) -> None:
-        saver.maybe_finalize_async_calls(blocking=True)
+        self.finalize()
+
+    def release(self) -> None:
+        """(every rank, after the last save was finalized) End the worker thread and the coordination
+        group (the next save or load makes them again)."""
+        saver.release()
 
 
 def _claim_key(path: Any) -> str:

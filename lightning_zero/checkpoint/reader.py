@@ -7,7 +7,7 @@ from a checkpoint (``validate/test/predict(ckpt_path=...)`` at any world size),
 ``read_zero_tree`` rebuilds the saved tree with every :class:`FlatShard` replaced by the whole
 tensor (``local``: the rank files' pieces put side by side in rank order; ``sharded``: DCP reads
 each tensor whole, which is resharding to one process). ``to_lightning`` turns that tree into
-Lightning's own checkpoint format (see :mod:`lightning_zero.checkpoint.trainer` for the tree).
+Lightning's own checkpoint format (see :mod:`lightning_zero.checkpoint.lightning_tree` for the tree).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, A
     keys: list[str] = meta.get("state_dict_keys") or list(state_dict)
     content["state_dict"] = {k: state_dict[aliases.get(k, k)] for k in keys if aliases.get(k, k) in state_dict}
     # Tensors an on_save_checkpoint hook added under keys the module does not have ([Note: what a
-    # checkpoint holds] in trainer.py) follow the module's keys.
+    # checkpoint holds] in lightning_tree.py) follow the module's keys.
     named = set(keys) | set(aliases.values())
     content["state_dict"].update({k: v for k, v in state_dict.items() if k not in named})
     if masters:

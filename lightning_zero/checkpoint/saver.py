@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from lightning_zero.checkpoint.tree import (
     tensor_leaves,
     walk,
 )
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
                storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
-               process_group: Any = None, coordinator_rank: int | None = None) -> None:
+               process_group: Any = None, coordinator_rank: int | None = None,
+               tuning: CheckpointTuning | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
@@ -90,7 +93,7 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ``process_group`` (a gloo group; default: every rank) and ``coordinator_rank`` (a global rank in
     it; default: its lowest) as in SageMaker's API: only the group's ranks save, as a unit (e.g. one
     replica group), and the coordinator commits. ``local`` and ``sharded`` only: ``full`` gathers to
-    rank 0 of the whole world."""
+    rank 0 of the whole world. ``tuning``: the I/O knobs (:class:`CheckpointTuning`)."""
     called = time.perf_counter()
     validate_mode(mode)
     team = make_team(process_group, coordinator_rank)
@@ -104,17 +107,18 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    checkpointer().submit(loc.url, lambda staged: _save_job(snapshot, loc, mode, team, staged, fields, ready, stats, called),
-                  stats)
+    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called)
+    checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
          storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
-         process_group: Any = None, coordinator_rank: int | None = None) -> None:
+         process_group: Any = None, coordinator_rank: int | None = None,
+         tuning: CheckpointTuning | None = None) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
     async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields,
-               process_group=process_group, coordinator_rank=coordinator_rank)
+               process_group=process_group, coordinator_rank=coordinator_rank, tuning=tuning)
     maybe_finalize_async_calls(blocking=True)
 
 
@@ -183,91 +187,139 @@ def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) ->
 # ---- the background job -------------------------------------------------------------------
 
 
-def _save_job(state: dict[str, Any], loc: Location, mode: Mode, team: Team, staged: threading.Event,
-              marker_fields: dict[str, Any], ready: Any = None, stats: SaveStats | None = None,
-              called: float | None = None) -> None:
-    """[Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
+@dataclass
+class _SaveJob:
+    """One save on the background thread, in the phases every rank runs in the same order.
+
+    [Note: same collectives on every rank] Whatever fails on one rank (staging out of memory, a
     read-only path, a write error), every rank makes the same collectives in the same order: a
     failure is recorded, not raised, until the next exchange, so the others never wait in a
-    collective the failing rank skipped. Exchanges: (1) before any data is written, (2) inside
-    DCP / the ``full`` gathers, which fail on every rank together, (3) after writing, (4) the commit.
-    """
-    group, rank, world_size, coordinator = team.group, team.rank, team.world_size, team.coordinator
+    collective the failing rank skipped. Exchanges: (1) before any data is written (:meth:`agree`),
+    (2) inside DCP / the ``full`` gathers, which fail on every rank together (:meth:`write`), (3) after
+    writing (:meth:`write`), (4) the commit (:meth:`commit`)."""
+
+    state: Any
+    loc: Location
+    mode: Mode
+    team: Team
+    marker_fields: dict[str, Any]
+    tuning: CheckpointTuning
+    ready: Any = None
+    stats: SaveStats | None = None
+    called: float | None = None
     error: str | None = None
-    started = time.perf_counter()
-    try:
-        if mode == "full" and rank != 0:
-            # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
-            state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
-        state = checkpointer().stager.stage(state, ready)
-    except Exception as exc:
-        error = f"rank {rank}: staging the state failed ({type(exc).__name__}: {exc})"
-    finally:
-        staged.set()
-    staging_done = time.perf_counter()
-    if error is None:
-        error = file_io.preflight(loc, mode, rank)
-    # (1) Rank 0 names the fresh version directory and the save id; every rank says whether it can go
-    # on and, for a sharded save, what its tree is ([Note: cached save plans]).
-    proposal = (loc.new_version_dir() if mode != "full" else "", uuid.uuid4().hex) if rank == coordinator else None
-    signature = sharded.save_signature(state) if mode == "sharded" and error is None else None
-    gathered = all_gather_objects((proposal, error, signature), group)
-    version_dir, save_id = gathered[coordinator][0]
-    errors = [e for _, e, _ in gathered if e]
-    if errors:
-        raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed before any data was written; the previous"
-                                  " checkpoint is intact. " + "; ".join(errors))
-    write_started = time.perf_counter()
+    version_dir: str = ""
+    save_id: str = ""
+    signatures: list[Any] = field(default_factory=list)
     planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
-    try:
-        if mode == "local":
-            local.write_local(state, loc, version_dir, rank, world_size, save_id)
-        elif mode == "sharded":
-            planned_bytes = sharded.write_sharded(state, loc, version_dir, team, save_id, [sig for _, _, sig in gathered])
-        else:
-            full.write_full(state, loc, rank, group, save_id)
-    except Exception as exc:  # reported to every rank below, raised at the next finalize
-        error = f"rank {rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
-    written = time.perf_counter()
-    errors = [e for e in all_gather_objects(error, group) if e]  # (3)
-    if errors:
-        if rank == coordinator and version_dir and not (not loc.is_local and any(_unreachable(e) for e in errors)):
-            # (An unreachable store keeps the partial version: nothing points at it, and the next
-            # successful save of this name deletes it with the other stale versions.)
-            file_io.discard(loc, version_dir)
-        raise CheckpointSaveError(
-            f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
-        )
-    commit_error: str | None = None
-    if rank == coordinator and mode != "full":
+
+    def run(self, staged: threading.Event) -> None:
         try:
-            # The data directory relative to the marker's folder: a copy of the marker beside it (a
-            # `save_last="link"` on S3) names the same data.
-            data = version_dir[len(loc.parent) + 1:] if loc.parent else version_dir
-            fields = {"mode": mode, "world_size": world_size, "data": data, "save_id": save_id}
-            shard_group_size = shard_group_size_of(state, world_size)
-            if shard_group_size != world_size:
-                fields["shard_group_size"] = shard_group_size
-            storage.write_marker(loc, fields, marker_fields)
+            started = time.perf_counter()
+            self.stage(staged)
+            staging_done = time.perf_counter()
+            self.agree()
+            write_started = time.perf_counter()
+            self.write()
+            written = time.perf_counter()
+            self.commit()
+            if self.stats is not None:
+                committed = time.perf_counter()
+                self.stats.staging_s = staging_done - started
+                self.stats.write_s = written - write_started
+                self.stats.commit_s = committed - written
+                self.stats.committed_after_s = committed - (self.called if self.called is not None else started)
+                self.stats.bytes_written = (self.planned_bytes if self.planned_bytes is not None
+                                            else _bytes_written(self.state, self.mode, self.team.rank))
+        finally:
+            # The staged copy goes before the caller learns the outcome: the executor keeps the job
+            # referenced until after the future is resolved, and a save's host copy is a model's size.
+            self.state = None
+
+    def stage(self, staged: threading.Event) -> None:
+        """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""
+        try:
+            state = self.state
+            if self.mode == "full" and self.team.rank != 0:
+                # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
+                state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
+            self.state = checkpointer().stager.stage(state, self.ready)
         except Exception as exc:
-            commit_error = f"writing the commit marker failed: {exc}"
-            file_io.discard(loc, version_dir)
-        else:
+            self.error = f"rank {self.team.rank}: staging the state failed ({type(exc).__name__}: {exc})"
+        finally:
+            staged.set()
+
+    def agree(self) -> None:
+        """(1) Rank 0 names the fresh version directory and the save id; every rank says whether it can
+        go on (staged, and the destination writable) and, for a sharded save, what its tree is
+        ([Note: cached save plans]). Raises on every rank before any data is written."""
+        team = self.team
+        if self.error is None:
+            self.error = file_io.preflight(self.loc, self.mode, team.rank)
+        proposal = ((self.loc.new_version_dir() if self.mode != "full" else "", uuid.uuid4().hex)
+                    if team.is_coordinator else None)
+        signature = sharded.save_signature(self.state) if self.mode == "sharded" and self.error is None else None
+        gathered = all_gather_objects((proposal, self.error, signature), team.group)
+        self.version_dir, self.save_id = gathered[team.coordinator][0]
+        self.signatures = [sig for _, _, sig in gathered]
+        errors = [e for _, e, _ in gathered if e]
+        if errors:
+            raise CheckpointSaveError(f"Saving checkpoint {self.loc.url!r} failed before any data was written; the"
+                                      " previous checkpoint is intact. " + "; ".join(errors))
+
+    def write(self) -> None:
+        """(2) This rank's files in the mode's way, then (3) every rank learns whether all succeeded; a
+        failed save's partial version is removed (not where the store stopped answering: nothing
+        points at it, and the next successful save of this name deletes it with the stale versions)."""
+        loc, team = self.loc, self.team
+        try:
+            if self.mode == "local":
+                local.write_local(self.state, loc, self.version_dir, team.rank, team.world_size, self.save_id,
+                                  self.tuning)
+            elif self.mode == "sharded":
+                self.planned_bytes = sharded.write_sharded(self.state, loc, self.version_dir, team, self.save_id,
+                                                           self.signatures, self.tuning)
+            else:
+                full.write_full(self.state, loc, team.rank, team.group, self.save_id, self.tuning)
+        except Exception as exc:  # reported to every rank below, raised at the next finalize
+            self.error = f"rank {team.rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
+        errors = [e for e in all_gather_objects(self.error, team.group) if e]
+        if errors:
+            if team.is_coordinator and self.version_dir and not storage.keeps_partial_writes(loc, errors):
+                file_io.discard(loc, self.version_dir)
+            raise CheckpointSaveError(
+                f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact. " + "; ".join(errors)
+            )
+
+    def commit(self) -> None:
+        """(4) The coordinator writes the commit marker (``local``/``sharded``; a ``full`` file is its own
+        commit) and deletes older data versions; every rank learns whether the commit happened."""
+        if self.mode == "full":
+            return
+        loc, team = self.loc, self.team
+        commit_error: str | None = None
+        if team.is_coordinator:
             try:
-                storage.remove_stale_versions(loc, keep=version_dir)
-            except Exception as exc:  # committed already; leftovers only cost space
-                log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
-    # (4) Every rank learns whether the commit happened, so every rank raises if it did not.
-    commit_error = all_gather_objects(commit_error, group)[coordinator] if mode != "full" else commit_error
-    if commit_error:
-        raise CheckpointSaveError(f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
-    if stats is not None:
-        committed = time.perf_counter()
-        stats.staging_s = staging_done - started
-        stats.write_s = written - write_started
-        stats.commit_s = committed - written
-        stats.committed_after_s = committed - (called if called is not None else started)
-        stats.bytes_written = planned_bytes if planned_bytes is not None else _bytes_written(state, mode, rank)
+                # The data directory relative to the marker's folder: a copy of the marker beside it (a
+                # `save_last="link"` on S3) names the same data.
+                data = self.version_dir[len(loc.parent) + 1:] if loc.parent else self.version_dir
+                fields = {"mode": self.mode, "world_size": team.world_size, "data": data, "save_id": self.save_id}
+                shard_group_size = shard_group_size_of(self.state, team.world_size)
+                if shard_group_size != team.world_size:
+                    fields["shard_group_size"] = shard_group_size
+                storage.write_marker(loc, fields, self.marker_fields)
+            except Exception as exc:
+                commit_error = f"writing the commit marker failed: {exc}"
+                file_io.discard(loc, self.version_dir)
+            else:
+                try:
+                    storage.remove_stale_versions(loc, keep=self.version_dir)
+                except Exception as exc:  # committed already; leftovers only cost space
+                    log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
+        commit_error = all_gather_objects(commit_error, team.group)[team.coordinator]
+        if commit_error:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
 
 
 def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
@@ -282,20 +334,13 @@ def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
 
 
 
-def _unreachable(error: str) -> bool:
-    """Whether a save failed because the store stopped answering (every further call would wait out
-    its timeouts and retries too)."""
-    return any(sign in error for sign in ("ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "timed out",
-                                          "ClientConnectorError", "ServerDisconnected", "Connection reset",
-                                          "ConnectionClosed", "Cannot connect"))
-
-
 # ---- loading ------------------------------------------------------------------------------
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None,
-         coordinator_rank: int | None = None, strict: bool = True) -> dict[str, Any]:
+         coordinator_rank: int | None = None, strict: bool = True,
+         tuning: CheckpointTuning | None = None) -> dict[str, Any]:
     """Fill the tensors and :class:`FlatShard` leaves of ``state_dict`` in place from a checkpoint
     of any mode (``sharded`` and ``full`` at any world size, ``local`` at the one it was saved
     with). Returns the checkpoint's non-tensor content (and, for ``full``, everything).
@@ -311,7 +356,8 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, *,
     ``state_dict``'s are ignored (every leaf of ``state_dict`` must still be in it).
     """
     team = make_team(process_group, coordinator_rank)
-    opened = open_checkpoint(checkpoint_id, storage_options, team=team)  # finalizes the save in flight first
+    # Finalizes the save in flight first.
+    opened = open_checkpoint(checkpoint_id, storage_options, team=team, tuning=tuning or DEFAULT_TUNING)
     return load_opened(state_dict, opened, team=team, strict=strict)
 
 

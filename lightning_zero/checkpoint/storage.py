@@ -119,6 +119,15 @@ def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     return Location(fs, path, url)
 
 
+def keeps_partial_writes(loc: Location, errors: list[str]) -> bool:
+    """Whether a failed save leaves its partial version in place: when an object store stopped answering
+    (every further call would wait out its timeouts and retries too). Nothing points at the version,
+    and the next successful save of the name deletes it with the other stale versions."""
+    unreachable = ("ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "timed out", "ClientConnectorError",
+                   "ServerDisconnected", "Connection reset", "ConnectionClosed", "Cannot connect")
+    return not loc.is_local and any(sign in error for error in errors for sign in unreachable)
+
+
 def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     """A clear error for an unreachable bucket, refused access or a full disk; no credentials in it."""
     text = f"{type(exc).__name__}: {exc}"

@@ -12,13 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-WRITEBACK_BYTES = 32 * 2**20
-"""How much a :class:`WritebackStream` lets pile up in the page cache before it starts writing it out;
-a file being written keeps about twice this in the page cache ([Note: drop behind])."""
-
-DROP_BEHIND = True
-"""Whether a :class:`WritebackStream` drops the pages it has written out ([Note: drop behind]);
-the benchmarks turn it off to measure what it brings."""
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 # <linux/fs.h>
 _SYNC_FILE_RANGE_WAIT_BEFORE = 1  # wait for writeback already under way in the range
@@ -49,8 +43,10 @@ _sync_file_range = _load_sync_file_range()
 
 
 class WritebackStream:
-    """A local file being written, whose bytes the kernel starts writing to disk every
-    :data:`WRITEBACK_BYTES` instead of at the final fsync.
+    """A local file being written, whose bytes the kernel starts writing to disk every ``every`` bytes
+    (``CheckpointTuning.writeback_bytes``) instead of at the final fsync; a file being written keeps
+    about twice that in the page cache ([Note: drop behind]). ``drop_behind``: drop the pages once
+    written out (``CheckpointTuning.drop_behind``).
 
     [Note: early writeback] Writes land in the page cache at memory speed and the fsync that makes a
     checkpoint file durable then waits for the disk to take the whole file, while the CPU that
@@ -83,9 +79,9 @@ class WritebackStream:
     saves), keeping the pages is faster: 0.55 s against 0.70 s for 568 MB. The file's last two
     ranges stay cached (clean after the fsync)."""
 
-    def __init__(self, raw: Any, every: int | None = None) -> None:
+    def __init__(self, raw: Any, every: int | None = None, drop_behind: bool | None = None) -> None:
         self._raw = raw
-        self._every = WRITEBACK_BYTES if every is None else every
+        self._every = DEFAULT_TUNING.writeback_bytes if every is None else every
         try:
             self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
             start = raw.tell() if self._fd is not None else 0
@@ -94,7 +90,7 @@ class WritebackStream:
         self._position = start  # file offset after what was written through this wrapper
         self._started = start  # up to here writeback has been started
         self._dropped = start  # up to here the pages were dropped from the page cache
-        self._drop = DROP_BEHIND
+        self._drop = DEFAULT_TUNING.drop_behind if drop_behind is None else drop_behind
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
@@ -139,13 +135,15 @@ class WritebackFileSystem:
     """DCP's local ``FileSystem`` whose write streams are :class:`WritebackStream` s (its other
     methods, reads included, are the wrapped one's)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
         self._inner = inner
+        self._tuning = tuning
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         with self._inner.create_stream(path, mode) as stream:
-            yield WritebackStream(stream) if "w" in mode else stream
+            yield (WritebackStream(stream, self._tuning.writeback_bytes, self._tuning.drop_behind) if "w" in mode
+                   else stream)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

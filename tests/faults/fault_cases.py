@@ -101,7 +101,7 @@ def save_while_one_rank_runs_out_of_memory(rank: int, world_size: int, root: str
 def full_gather_while_one_rank_runs_out_of_memory(rank: int, world_size: int, failing_rank: int) -> dict[str, Any]:
     """The full-mode gather (the one plain CheckpointIO plugins get too) with a real OOM on one rank
     at the second of three tensors."""
-    from lightning_zero.checkpoint.saver import gather_tree_to_rank0
+    from lightning_zero.checkpoint.modes.full import gather_tree_to_rank0
 
     state = sharded_tree(rank, world_size, 1.0, big_numel=64 * 2**20 // 4 * world_size)
     if rank == failing_rank:

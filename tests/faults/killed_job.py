@@ -26,8 +26,9 @@ def main(mode: str, dirpath: str) -> None:
     def saving(frame: Any) -> str:
         """The checkpoint the background save job calling us writes ("" outside one)."""
         while frame is not None:
-            if frame.f_code.co_name == "_save_job":
-                return frame.f_locals["loc"].url
+            job = frame.f_locals.get("self")
+            if type(job).__name__ == "_SaveJob":
+                return job.loc.url
             frame = frame.f_back
         return ""
 

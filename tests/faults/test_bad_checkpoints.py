@@ -23,12 +23,12 @@ from lightning_zero.checkpoint import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    engine_tree,
     load,
     maybe_finalize_async_calls,
     save,
     storage,
 )
-from lightning_zero.checkpoint import state as ckpt_state
 from lightning_zero.checkpoint.tree import FlatShard, walk
 
 MODES = ("local", "sharded", "full")
@@ -47,10 +47,10 @@ def load_target(model: nn.Module | None = None) -> tuple[nn.Module, ZeroEngine, 
     model, engine = build(0, 1, model=model, perturb=1.0)
     opt = engine.optimizers[0]
     if isinstance(model, OtherNet):
-        ckpt_state.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
+        engine_tree.materialize_optimizer_state(opt, {sp.fqn for sp in opt.sharded_params})
     else:
         train(model, engine, range(1), 0, 1)
-    return model, engine, ckpt_state.zero_state_dict(engine, model, for_load=True)
+    return model, engine, engine_tree.zero_state_dict(engine, model, for_load=True)
 
 
 def tensors(tree: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def saved(tmp_path: Path) -> Callable[[str], Path]:
         model, engine = build(0, 1)
         train(model, engine, range(1), 0, 1)
         path = tmp_path / f"{mode}.ckpt"
-        save(ckpt_state.zero_state_dict(engine, model), str(path), mode=mode)
+        save(engine_tree.zero_state_dict(engine, model), str(path), mode=mode)
         engine.close()
         return path
 
@@ -148,9 +148,9 @@ def test_a_save_that_fails_at_the_commit_is_not_a_checkpoint_and_keeps_the_previ
 
         patch.setattr(storage, "write_marker", no_commit)
         with pytest.raises(CheckpointSaveError, match=rf"{path.name}.*commit marker could not be written"):
-            save(ckpt_state.zero_state_dict(engine, model), str(path), mode=mode)
+            save(engine_tree.zero_state_dict(engine, model), str(path), mode=mode)
         with pytest.raises(CheckpointSaveError, match=r"new\.ckpt.*commit marker could not be written"):
-            save(ckpt_state.zero_state_dict(engine, model), str(path.parent / "new.ckpt"), mode=mode)
+            save(engine_tree.zero_state_dict(engine, model), str(path.parent / "new.ckpt"), mode=mode)
     engine.close()
     assert path.read_bytes() == before
     _, fresh, tree = load_target()

@@ -24,11 +24,11 @@ from lightning_zero.checkpoint import (
     CheckpointSaveError,
     ZeroCheckpointIO,
     async_save,
+    file_io,
     load,
     maybe_finalize_async_calls,
     remove,
     save,
-    saver,
     writeback,
 )
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
@@ -56,7 +56,7 @@ def loaded_value(path: Path) -> float:
 def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """The next write fails like a full disk: part of the file is written, then ENOSPC."""
 
-    def partial_write(loc: Any, path: str, obj: Any) -> None:
+    def partial_write(loc: Any, path: str, obj: Any, tuning: Any = None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(b"PK\x03\x04 partial")
@@ -68,7 +68,7 @@ def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
 
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
     else:
-        monkeypatch.setattr(saver, "_torch_save_to", partial_write)
+        monkeypatch.setattr(file_io, "torch_save_to", partial_write)
 
 
 def files(root: Path) -> list[str]:
@@ -139,7 +139,7 @@ def test_plugin_teardown_raises_a_background_failure(tmp_path: Path, monkeypatch
     plugin.teardown()  # raised once
 
 
-# ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp_items.py) ---------
+# ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp_adapter.py) ---------
 
 
 FAILED = threading.Event()
@@ -309,16 +309,16 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     # A failed write (kept; a KeyboardInterrupt or SystemExit also goes on up) aborts that file's
     # upload, and the file another thread writes stops at its next write and aborts its upload too,
     # instead of writing (or uploading) the rest of a save that is lost.
-    from lightning_zero.checkpoint import integrity
+    from lightning_zero.checkpoint import dcp_integrity
 
     uploads = _Uploads("failing.distcp", fails_with)
-    fs = integrity._ChecksummingFileSystem(uploads)
+    fs = dcp_integrity._ChecksummingFileSystem(uploads)
     fs.keep_errors = True
     with fs.create_stream("other.distcp", "wb") as other:
         other.write(b"before")
         with contextlib.suppress(KeyboardInterrupt), fs.create_stream("failing.distcp", "wb") as failing:
             failing.write(b"some")
-        with pytest.raises(integrity.SaveAbandoned, match="another file of this save failed first"):
+        with pytest.raises(dcp_integrity.SaveAbandoned, match="another file of this save failed first"):
             other.write(b"after")
     assert fs.errors[0] is fails_with
     assert uploads.files["failing.distcp"].discarded and uploads.files["failing.distcp"].closed
@@ -329,10 +329,10 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
 def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:
     # An fsync, close or item that fails after the writes went through: the file is lost all the
     # same, and its close must not complete the upload.
-    from lightning_zero.checkpoint import integrity
+    from lightning_zero.checkpoint import dcp_integrity
 
     uploads = _Uploads("none", disk_full())
-    fs = integrity._ChecksummingFileSystem(uploads)
+    fs = dcp_integrity._ChecksummingFileSystem(uploads)
     fs.keep_errors = True
     with fs.create_stream("file.distcp", "wb") as stream:
         stream.write(b"all of it")

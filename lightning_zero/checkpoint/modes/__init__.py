@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from lightning_zero.checkpoint import file_io
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 Mode = Literal["local", "sharded", "full"]
 MODES: tuple[Mode, ...] = ("local", "sharded", "full")
@@ -38,6 +39,8 @@ class OpenedCheckpoint:
     metadata: Any = None
     """``sharded``: the DCP ``Metadata`` the team's coordinator read for every rank ([Note: shared
     metadata] in opening.py); None: each DCP reader reads ``.metadata`` itself."""
+    tuning: CheckpointTuning = DEFAULT_TUNING
+    """Reader threads and the collector pause of this load's reads."""
     read_ahead: dict[str, Any] = field(default_factory=dict)
     """``local``: rank files already read and verified (the key check reads the file the load uses)."""
     _version_dir_checked: bool = False

@@ -20,21 +20,23 @@ from lightning_zero.checkpoint import file_io, integrity, storage
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.team import peer_lost
 from lightning_zero.checkpoint.tree import FlatShard, map_with_path, walk
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
-def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str) -> None:
+def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,
+               tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
     full = gather_tree_to_rank0(state, group)
     if rank != 0:
         return
     full[integrity.HEADER_KEY] = integrity.header(full, save_id)
     if not loc.is_local:
-        file_io.torch_save_to(loc, loc.path, full)
+        file_io.torch_save_to(loc, loc.path, full, tuning)
         return
     import glob
 
     tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        file_io.torch_save_to(loc, tmp, full)
+        file_io.torch_save_to(loc, tmp, full, tuning)
         os.replace(tmp, loc.path)  # the file appears whole or not at all
     except BaseException:
         # A partial file must not stay behind, least of all on a full disk.

@@ -18,6 +18,7 @@ from lightning_zero.checkpoint.modes import OpenedCheckpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
 from lightning_zero.checkpoint.team import Team, world
 from lightning_zero.checkpoint.tree import FlatShard, map_leaves, map_with_path, walk
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def encode_shards(state: Any) -> Any:
@@ -32,10 +33,11 @@ def rank_file(version_dir: str, rank: int, world_size: int) -> str:
     return f"{version_dir}/rank{rank:05d}-of-{world_size:05d}.pt"
 
 
-def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str) -> None:
+def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str,
+                tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
     encoded = encode_shards(state)
     encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
-    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded)
+    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning)
 
 
 

@@ -3,7 +3,7 @@ with a ``.metadata`` index; a load at any world size reads the regions it needs.
 ``objects.pt`` (the non-tensor leaves, the save id and the full shape of every tensor).
 
 The DCP adapter itself (flat chunks, planners, plan cache, parallel and verifying readers) is in
-:mod:`~lightning_zero.checkpoint.dcp_items` and :mod:`~lightning_zero.checkpoint.integrity`.
+:mod:`~lightning_zero.checkpoint.dcp_adapter` and :mod:`~lightning_zero.checkpoint.integrity`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import dcp_items, file_io, integrity, storage, writeback
-from lightning_zero.checkpoint.dcp_items import (
+from lightning_zero.checkpoint import dcp_integrity, file_io, integrity, storage, writeback
+from lightning_zero.checkpoint.dcp_adapter import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,
@@ -43,6 +43,7 @@ from lightning_zero.checkpoint.tree import (
     tensor_leaves,
     walk,
 )
+from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def save_signature(state: Any) -> int:
@@ -50,7 +51,7 @@ def save_signature(state: Any) -> int:
 
 
 def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_id: str,
-                   signatures: list[int]) -> int:
+                  signatures: list[int], tuning: CheckpointTuning = DEFAULT_TUNING) -> int:
     """DCP first, on every rank (it reports a failure on any rank to all of them), then rank 0's
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata). ``signatures``: every rank's
@@ -60,19 +61,19 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     FsspecWriter, _ = _compat.fsspec_storage_classes()
     tensors, objects = split_for_dcp(state)
     if loc.is_local:
-        writer = integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
-                                                                              thread_count=dcp_items.WRITE_THREADS)
-        writer.fs = writeback.WritebackFileSystem(writer.fs)  # [Note: early writeback]
+        writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
+                                                                              thread_count=tuning.write_threads)
+        writer.fs = writeback.WritebackFileSystem(writer.fs, tuning)  # [Note: early writeback]
     else:  # fsync fails on s3fs streams: durability there comes from the completed upload
-        writer = integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
-                                                            thread_count=dcp_items.WRITE_THREADS, **_fs_options(loc))
+        writer = dcp_integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
+                                                            thread_count=tuning.write_threads, **_fs_options(loc))
         _same_retries(writer, loc)
     # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
     # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
     spread = _has_replicas(state)
     cache_key = plan_cache_key(team.global_ranks, spread, signatures)
     forget_other_plans(cache_key)
-    planner = FlatChunkSavePlanner(spread_replicas=spread, cache_key=cache_key)
+    planner = FlatChunkSavePlanner(spread_replicas=spread, cache_key=cache_key, pause_gc=tuning.pause_gc)
     try:
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
@@ -85,7 +86,7 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     if team.is_coordinator:
         shapes = {path: list(leaf.shape) for path, leaf in tensor_leaves(state)}
         objects[integrity.HEADER_KEY] = integrity.header(objects, save_id, world_size=team.world_size, shapes=shapes)
-        file_io.torch_save_to(loc, f"{version_dir}/objects.pt", objects)
+        file_io.torch_save_to(loc, f"{version_dir}/objects.pt", objects, tuning)
     return planner.bytes_planned
 
 
@@ -160,12 +161,12 @@ def dcp_reader(opened: OpenedCheckpoint, require_checksums: bool = False) -> Any
     def require() -> bool:
         return require_checksums
 
-    threads = read_threads(ranks_on_this_node())
+    threads = read_threads(ranks_on_this_node(), opened.tuning.max_read_threads)
     if loc.is_local:
-        reader = parallel_reads(integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(
+        reader = parallel_reads(dcp_integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(
             version_dir)
     else:
-        reader = parallel_reads(integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
+        reader = parallel_reads(dcp_integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
             loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
         _same_retries(reader, loc)
     reader.shared_metadata = opened.metadata  # [Note: shared metadata]
@@ -233,7 +234,7 @@ def prepare_sharded(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: 
     _read_whole_where_saved_whole(state_dict, targets, metadata)
     if found is not None:
         integrity.check_shapes({key: leaf.shape for key, leaf in tensor_leaves(state_dict)}, found["shapes"], loc.url)
-    return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team)
+    return lambda: _load_sharded(state_dict, targets, reader, loc, objects, team, opened.tuning)
 
 
 def _read_whole_where_saved_whole(state_dict: dict[str, Any], targets: dict[str, Any], metadata: Any) -> None:
@@ -259,11 +260,12 @@ def _empty_like(leaf: Any) -> Any:
 
 
 def _load_sharded(state_dict: dict[str, Any], targets: dict[str, Any], reader: Any, loc: Location,
-                  objects: dict[str, Any], team: Team) -> dict[str, Any]:
+                  objects: dict[str, Any], team: Team, tuning: CheckpointTuning = DEFAULT_TUNING) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(), process_group=team.group)
+        dcp.load(targets, storage_reader=reader, planner=FlatChunkLoadPlanner(pause_gc=tuning.pause_gc),
+                 process_group=team.group)
     except CheckpointException as exc:  # raised on every rank: DCP gathers the failures
         raise _read_failure(exc, loc) from exc
     with torch.no_grad():

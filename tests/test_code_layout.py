@@ -1,0 +1,113 @@
+"""The shape ARCHITECTURE.md describes, held by tests: dependencies one way (no import cycle, imports
+inside functions included), no oversized module, and the strategy entering the checkpoint package
+only through its public names and the two mapping modules (``lightning_tree``, ``engine_tree``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lightning_zero
+import lightning_zero.checkpoint
+
+PACKAGE = Path(lightning_zero.__file__).parent
+CHECKPOINT_LIMIT = 500  # lines, lightning_zero/checkpoint/
+MODULE_LIMIT = 650  # lines, the rest of lightning_zero/
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules ``name`` imports anywhere in its body (functions included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in modules:
+                    out.add(target)
+                elif base in modules:
+                    out.add(base)
+    return out
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_not_even_through_imports_inside_functions() -> None:
+    modules = _modules()
+    edges = {name: _imports(name, path, modules) - {name} for name, path in modules.items()}
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_no_module_is_oversized(name: str) -> None:
+    path = _modules()[name]
+    limit = CHECKPOINT_LIMIT if ".checkpoint" in name else MODULE_LIMIT
+    lines = len(path.read_text().splitlines())
+    assert lines <= limit, f"{path} has {lines} lines (at most {limit}): split it by concern"
+
+
+def test_the_strategy_enters_the_checkpoint_package_through_public_names_and_the_mapping_modules() -> None:
+    modules = _modules()
+    allowed = set(lightning_zero.checkpoint.__all__) | {"lightning_tree", "engine_tree"}
+    tree = ast.parse(modules["lightning_zero.strategy"].read_text())
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
+            assert node.module == "lightning_zero.checkpoint", f"strategy.py imports from {node.module}"
+            used |= {alias.name for alias in node.names}
+    assert used and used <= allowed, used - allowed
