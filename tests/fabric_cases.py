@@ -224,9 +224,10 @@ def run_reference(case: FabricCase, world_size: int = 1) -> dict[str, Any]:
 
 
 def run_save_and_continue(rank: int, world_size: int, case: FabricCase, mode: str, path: str, save_at: int,
-                          async_save: bool = True) -> dict[str, Any]:
+                          async_save: bool = True, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``case.steps`` steps without interruption, saving at ``save_at``; returns the final weights."""
-    loop = set_up(rank, world_size, case, plugins=[ZeroCheckpointIO(mode=mode, async_save=async_save)])  # type: ignore[arg-type]
+    io = ZeroCheckpointIO(mode=mode, async_save=async_save, storage_options=storage_options)  # type: ignore[arg-type]
+    loop = set_up(rank, world_size, case, plugins=[io])
     train_steps(loop, case, rank, world_size, 0, save_at)
     state = {"model": loop.model, "optimizer": loop.optimizer, "scheduler": loop.scheduler, "step": save_at,
              "note": {"text": "fabric", "values": [1, 2]}}
@@ -238,9 +239,10 @@ def run_save_and_continue(rank: int, world_size: int, case: FabricCase, mode: st
     return {"params": params, "saved_params": saved_params}
 
 
-def run_load_and_continue(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:
+def run_load_and_continue(rank: int, world_size: int, case: FabricCase, path: str,
+                          storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A fresh loop (another world size allowed) loads ``path`` and trains to ``case.steps``."""
-    loop = set_up(rank, world_size, case)
+    loop = set_up(rank, world_size, case, plugins=[ZeroCheckpointIO(storage_options=storage_options)])
     state: dict[str, Any] = {"model": loop.model, "optimizer": loop.optimizer, "scheduler": loop.scheduler, "step": 0}
     remainder = loop.fabric.load(path, state)
     loaded_params = params_of(loop.model)
