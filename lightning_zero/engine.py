@@ -133,12 +133,18 @@ def default_bucket_numel(world_size: int, element_size: int) -> int:
     return max(floor, min(MIN_CHUNK_NUMEL * world_size, ceiling))
 
 
+def dtype_from_name(name: str) -> torch.dtype | None:
+    """``torch.float32`` from ``"float32"`` or ``"torch.float32"``; None for a name that is not a dtype."""
+    value = getattr(torch, name.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def _parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         dtype = value
     else:
-        dtype = getattr(torch, str(value).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = dtype_from_name(str(value))
+        if dtype is None:
             raise ValueError(f"reduce_dtype {value!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'.")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"reduce_dtype must be a floating-point dtype, got {dtype}; use e.g. torch.float32.")

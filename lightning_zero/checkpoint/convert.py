@@ -17,10 +17,9 @@ import os
 import tempfile
 from typing import Any, Literal
 
-import torch
 from torch import nn
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint import file_io, storage
 from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint
 
 
@@ -85,27 +84,11 @@ def _pretrained_from(class_name: str, config_json: str) -> nn.Module:
 
 
 def _save_pretrained(model: Any, out: storage.Location, max_shard_size: int | str) -> None:
-    if out.is_local:
-        model.save_pretrained(out.path, max_shard_size=max_shard_size)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        for name in os.listdir(tmp):
-            out.fs.put_file(os.path.join(tmp, name), out.join(out.path, name))
+    with storage.local_directory(out) as directory:
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
 
 
 def _write_file(out: storage.Location, checkpoint: dict[str, Any]) -> None:
-    """One ``torch.save`` file, appearing whole or not at all on a local disk."""
-    if out.is_local:
-        os.makedirs(os.path.dirname(out.path) or ".", exist_ok=True)
-        tmp = f"{out.path}.tmp-convert"
-        try:
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, out.path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    else:
-        with out.fs.open(out.path, "wb") as f:
-            torch.save(checkpoint, f)
+    """One ``torch.save`` file, appearing whole or not at all (fsynced, on a local disk)."""
+    file_io.torch_save_to(out, out.path, checkpoint, whole=True)
 

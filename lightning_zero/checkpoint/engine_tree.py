@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.grad_bucket import ShardedParam
 from lightning_zero.checkpoint.tree import FlatShard
 from lightning_zero.engine import ZeroEngine
+from lightning_zero.grad_bucket import ShardedParam
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.whole_step import is_split_state
 

@@ -56,14 +56,20 @@ def discard(loc: Location, version_dir: str) -> None:
         pass
 
 
-def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
+def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
+                  whole: bool = False) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
-    Local disks: one file, fsynced. Object stores: one multipart upload that completes at
-    close; a partial upload left by a failure is never referenced (the marker is written last).
+    Local disks: one file, fsynced; ``whole``: written under a temporary name and renamed, so it
+    appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint is).
+    Object stores: one multipart upload that completes at close; a partial upload left by a failure
+    is never referenced (the marker is written last).
     """
     if loc.is_local:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if whole:
+            storage.replace_whole(path, lambda tmp: torch_save_to(loc, tmp, obj, tuning))
+            return
         with open(path, "wb") as f:
             stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind)  # [Note: early writeback]
             _save_keeping_write_errors(obj, stream)

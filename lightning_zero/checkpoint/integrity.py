@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.tree import walk
+from lightning_zero.checkpoint.tree import refuse_other_shape, walk
 
 _CHECKSUMS = True
 """Off only in ``bench/checkpoint.py --integrity``, to measure what the checksums cost."""
@@ -176,7 +176,4 @@ def check_shapes(targets: dict[str, Tensor | tuple[int, ...]], saved: dict[str, 
     for key, target in targets.items():
         shape = tuple(target.shape) if isinstance(target, Tensor) else tuple(target)
         if key in saved and tuple(saved[key]) != shape:
-            raise ValueError(
-                f"Checkpoint {url!r} holds {key!r} with shape {tuple(saved[key])}, this model has {shape}: it was"
-                " saved from another model. Load it into the model it was saved from."
-            )
+            refuse_other_shape(key, tuple(saved[key]), shape, url)

@@ -37,7 +37,7 @@ from lightning_zero.checkpoint.modes import full
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_opened
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.team import fail_together, make_team
+from lightning_zero.checkpoint.team import checked_on_every_rank, make_team
 from lightning_zero.checkpoint.trainer_state import (
     MARKER_FIELDS,
     TREE_TAG,
@@ -193,17 +193,13 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     # Everything that can fail on one rank only (a file it cannot read, another model) fails before
     # the ranks agree, so that no rank is left alone in the collectives of saver.load (over the
     # coordination group) while another has already left for the caller's agreement.
-    error: BaseException | None = None
     mode = opened.mode
     keys: set[str] = set()
-    try:
-        if mode == "full":
-            content = full.read_full_checked(loc)
-        else:
-            keys = saver.saved_tensor_keys(opened)
-    except Exception as exc:
-        error = exc
-    fail_together(error, loc)
+    content: dict[str, Any] = {}
+    if mode == "full":
+        content = checked_on_every_rank(lambda: full.read_full_checked(loc), loc)
+    else:
+        keys = checked_on_every_rank(lambda: saver.saved_tensor_keys(opened), loc)
     if mode == "full":
         if "state_dict" in content and pending is not None:
             pending.append(PendingWeights(checkpoint_id, options, full=content))

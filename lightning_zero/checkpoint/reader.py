@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint import storage
@@ -22,6 +21,7 @@ from lightning_zero.checkpoint.modes import OpenedCheckpoint, full, local, shard
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.trainer_state import read_trainer_state
+from lightning_zero.engine import dtype_from_name
 
 MASTERS_KEY = "lightning_zero_masters"
 """Top-level key of a ``full`` file holding the fp32 master weights of parameters kept in a lower
@@ -58,7 +58,7 @@ def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, A
     state_dict: dict[str, Tensor] = {}
     masters: dict[str, Tensor] = {}
     for fqn, value in model.items():
-        dtype = _dtype(dtypes.get(fqn))
+        dtype = dtype_from_name(dtypes[fqn]) if dtypes.get(fqn) else None
         if dtype is not None and dtype != value.dtype:
             masters[fqn] = value
             value = value.to(dtype)
@@ -91,13 +91,6 @@ def _per_parameter(opt: dict[str, Any]) -> dict[str, Any]:
         groups.append({**group, "params": ids})
     state = {index[fqn]: dict(entry) for fqn, entry in opt["state"].items()}
     return {"state": state, "param_groups": groups}
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    if not name:
-        return None
-    value = getattr(torch, name.removeprefix("torch."), None)
-    return value if isinstance(value, torch.dtype) else None
 
 
 def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,

@@ -42,7 +42,7 @@ from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.team import (
     Team,
     all_gather_objects,
-    fail_together,
+    checked_on_every_rank,
     forget_group_after_fork,
     make_team,
     release_group,
@@ -53,6 +53,7 @@ from lightning_zero.checkpoint.tree import (
     check_same_keys,
     is_tensor_leaf,
     map_leaves,
+    refuse_other_shape,
     shard_group_size_of,
     tensor_leaves,
     walk,
@@ -366,14 +367,7 @@ def load_opened(state_dict: dict[str, Any], opened: OpenedCheckpoint, *, team: T
     """:func:`load` from a checkpoint already opened for this load (``opening.open_checkpoint``, over the
     same ``team``): its marker and ``.metadata`` are not read again."""
     team = team if team is not None else make_team()
-    error: BaseException | None = None
-    finish: Callable[[], dict[str, Any]] | None = None
-    try:
-        finish = _prepare_load(state_dict, opened, team, strict)
-    except Exception as exc:
-        error = exc
-    fail_together(error, opened.loc, team)
-    assert finish is not None
+    finish = checked_on_every_rank(lambda: _prepare_load(state_dict, opened, team, strict), opened.loc, team)
     return finish()
 
 
@@ -435,10 +429,7 @@ def _check_into(target: Any, source: Any, url: str, file: str, strict: bool = Tr
         else:
             ok = saved_shape == tuple(leaf.shape)
         if not ok:
-            raise ValueError(
-                f"Checkpoint {url!r} ({file!r}) holds {key!r} with shape {saved_shape}, this model has"
-                f" {tuple(leaf.shape)}: it was saved from another model. Load it into the model it was saved from."
-            )
+            refuse_other_shape(key, saved_shape, tuple(leaf.shape), url, file)
 
 
 def _copy_into(target: Any, source: Any, url: str) -> dict[str, Any]:

@@ -25,7 +25,8 @@ import pickle
 import re
 import uuid
 import zipfile
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,15 +191,46 @@ def write_marker(loc: Location, marker: dict[str, Any], lightning_fields: dict[s
     if loc.parent:
         loc.fs.makedirs(loc.parent, exist_ok=True)
     if loc.is_local:
-        tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, loc.path)
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+
+        replace_whole(loc.path, write)
     else:
         # One PUT: an object store shows the old object or the new one, never a mix.
         loc.fs.pipe_file(loc.path, payload)
+
+
+@contextmanager
+def local_directory(loc: Location) -> Iterator[str]:
+    """A local directory whose files end up at ``loc``: ``loc`` itself on a local disk, on an object store
+    a temporary one whose files are uploaded when the block ends without an error."""
+    if loc.is_local:
+        yield loc.path
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+        for name in os.listdir(tmp):
+            loc.fs.put_file(os.path.join(tmp, name), loc.join(loc.path, name))
+
+
+def replace_whole(path: str, write: Callable[[str], None]) -> None:
+    """(local disks) Create ``path`` whole or not at all: ``write(tmp)`` makes a temporary name beside it
+    (``<path>.tmp-<id>``, which readers skip), which then replaces ``path`` in one rename; a failed
+    write leaves no temporary behind (least of all on a full disk). Object stores need none of this:
+    an upload is complete or absent."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def read_marker(loc: Location) -> dict[str, Any] | None:
@@ -329,9 +361,8 @@ def link(target: Location, link: Location) -> None:
         return
     try:
         if link.is_local:
-            tmp = f"{link.path}.tmp-{uuid.uuid4().hex[:8]}"
-            os.symlink(os.path.relpath(target.path, os.path.dirname(link.path)), tmp)
-            os.replace(tmp, link.path)
+            replace_whole(link.path, lambda tmp: os.symlink(os.path.relpath(target.path, os.path.dirname(link.path)),
+                                                            tmp))
         else:
             link.fs.copy(target.path, link.path)
     except Exception as exc:
@@ -347,6 +378,18 @@ def remove_stale_versions(loc: Location, keep: str) -> None:
                 loc.fs.rm(entry, recursive=True)
     except FileNotFoundError:
         pass
+
+
+def remove_leftover_temporaries(loc: Location) -> None:
+    """(local disks) Delete the temporaries of earlier writes of ``loc`` that died before their rename
+    (:func:`replace_whole`); call it only where no other write of the name can be in progress."""
+    if not loc.is_local:
+        return
+    import glob
+
+    for leftover in glob.glob(f"{glob.escape(loc.path)}.tmp-*"):
+        with suppress(OSError):
+            os.remove(leftover)
 
 
 def remove_incomplete(directory: Location) -> list[str]:

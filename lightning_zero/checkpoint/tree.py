@@ -121,6 +121,17 @@ def tensor_paths(tree: Any) -> set[str]:
     return {"/".join(path) for path, leaf in walk(tree) if is_tensor_leaf(leaf)}
 
 
+def refuse_other_shape(key: str, saved: tuple[int, ...], own: tuple[int, ...], url: str,
+                       file: str | None = None) -> None:
+    """The error for a tensor saved with another shape than the model's (a flat shard of another shape
+    may have the same element count and would load silently)."""
+    where = f" ({file!r})" if file else ""
+    raise ValueError(
+        f"Checkpoint {url!r}{where} holds {key!r} with shape {saved}, this model has {own}: it was saved from"
+        " another model. Load it into the model it was saved from."
+    )
+
+
 def check_same_keys(expected: set[str], found: set[str], url: str, strict: bool = True) -> None:
     """``strict=False``: keys found beyond the expected ones are allowed (every expected one must be there)."""
     missing, unexpected = sorted(expected - found), sorted(found - expected) if strict else []

@@ -5,9 +5,6 @@ file loads anywhere, also without this package.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,25 +26,10 @@ def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,
     if rank != 0:
         return
     full[integrity.HEADER_KEY] = integrity.header(full, save_id)
-    if not loc.is_local:
-        file_io.torch_save_to(loc, loc.path, full, tuning)
-        return
-    import glob
-
-    tmp = f"{loc.path}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        file_io.torch_save_to(loc, tmp, full, tuning)
-        os.replace(tmp, loc.path)  # the file appears whole or not at all
-    except BaseException:
-        # A partial file must not stay behind, least of all on a full disk.
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    file_io.torch_save_to(loc, loc.path, full, tuning, whole=True)
     # Temporary files of saves of this name that died (SIGKILL) before their rename: one worker
     # writes a name at a time, so none of them is in progress.
-    for leftover in glob.glob(f"{glob.escape(loc.path)}.tmp-*"):
-        with contextlib.suppress(OSError):
-            os.remove(leftover)
+    storage.remove_leftover_temporaries(loc)
 
 
 GATHER_BUCKET_BYTES = 64 * 2**20

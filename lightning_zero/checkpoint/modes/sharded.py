@@ -18,15 +18,13 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero import _compat
-from lightning_zero.checkpoint import dcp_integrity, file_io, integrity, storage, writeback
+from lightning_zero.checkpoint import dcp_storage, file_io, integrity, storage
 from lightning_zero.checkpoint.dcp_adapter import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,
     forget_other_plans,
     forget_plans,
-    parallel_reads,
     plan_cache_key,
     read_threads,
     tree_signature,
@@ -58,16 +56,8 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     :func:`save_signature`, the same list on every rank."""
     import torch.distributed.checkpoint as dcp
 
-    FsspecWriter, _ = _compat.fsspec_storage_classes()
     tensors, objects = split_for_dcp(state)
-    if loc.is_local:
-        writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, save_id)(version_dir, sync_files=True,
-                                                                              thread_count=tuning.write_threads)
-        writer.fs = writeback.WritebackFileSystem(writer.fs, tuning)  # [Note: early writeback]
-    else:  # fsync fails on s3fs streams: durability there comes from the completed upload
-        writer = dcp_integrity.checksumming_writer(FsspecWriter, save_id)(loc.fs.unstrip_protocol(version_dir), sync_files=False,
-                                                            thread_count=tuning.write_threads, **_fs_options(loc))
-        _same_retries(writer, loc)
+    writer = dcp_storage.writer(loc, version_dir, save_id, tuning)
     # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
     # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
     spread = _has_replicas(state)
@@ -103,18 +93,6 @@ def dcp_failure(exc: CheckpointException) -> Exception:
     if isinstance(cause, Exception):
         return cause
     return RuntimeError(f"torch.distributed.checkpoint failed on rank {rank}: {cause!r}")
-
-
-def _fs_options(loc: Location) -> dict[str, Any]:
-    return dict(getattr(loc.fs, "storage_options", {}) or {})
-
-
-def _same_retries(dcp_storage: Any, loc: Location) -> None:
-    """DCP's fsspec reader/writer build their own filesystem from the options (a new instance when the
-    cache is skipped): it gets the bounded retries of ``loc.fs`` (see [Note: bounded S3 failures])."""
-    inner = getattr(getattr(dcp_storage, "fs", None), "fs", None)
-    if inner is not None and hasattr(loc.fs, "retries"):
-        inner.retries = loc.fs.retries
 
 
 
@@ -153,22 +131,9 @@ def read_metadata_bytes(opened: OpenedCheckpoint) -> bytes:
 def dcp_reader(opened: OpenedCheckpoint, require_checksums: bool = False) -> Any:
     """A verifying, parallel DCP reader of ``opened``'s data, using the ``.metadata`` shared for this
     load if there is one."""
-    import torch.distributed.checkpoint as dcp
-
-    loc, version_dir = opened.loc, opened.version_dir
-    _, FsspecReader = _compat.fsspec_storage_classes()
-
-    def require() -> bool:
-        return require_checksums
 
     threads = read_threads(ranks_on_this_node(), opened.tuning.max_read_threads)
-    if loc.is_local:
-        reader = parallel_reads(dcp_integrity.verifying_reader(dcp.FileSystemReader, loc.url, require), threads)(
-            version_dir)
-    else:
-        reader = parallel_reads(dcp_integrity.verifying_reader(FsspecReader, loc.url, require), threads)(
-            loc.fs.unstrip_protocol(version_dir), **_fs_options(loc))
-        _same_retries(reader, loc)
+    reader = dcp_storage.reader(opened.loc, opened.version_dir, require_checksums, threads)
     reader.shared_metadata = opened.metadata  # [Note: shared metadata]
     return reader
 
