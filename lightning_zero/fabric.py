@@ -69,8 +69,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype, shard_group_size,
         whole_step_group_mb, full_gradients: as in :class:`lightning_zero.ZeroLowLevelStrategy`
             (:class:`~lightning_zero.engine.ZeroConfig`).
-        broadcast_buffers: after ``fabric.load``, every rank holds rank 0's buffers (checkpoints hold rank
-            0's). Between steps Fabric loops own their buffers, as under Fabric's DDP.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every forward in training
+            mode, as DDP does by default; checkpoints always hold rank 0's.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
         timeout, start_method: as in Fabric's ``DDPStrategy``. ``checkpoint_io`` (or
         ``Fabric(plugins=[ZeroCheckpointIO(...)])``) chooses the mode of ``fabric.save`` (``local``,
@@ -124,6 +124,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._set_up_modules: list[nn.Module] = []
         """Modules set up without optimizers (``setup_module``), waiting for ``setup_optimizers``."""
         self._meta: dict[nn.Module, dict[str, Any]] = {}
+        self._hooks: list[Any] = []
+        self._skipping_sync = False  # inside ``fabric.no_backward_sync(model)``
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     @property
@@ -204,6 +206,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # The only mutation of checkpointed tensors: an asynchronous save still copying them finishes first.
             optimizer.register_pre_update_hook(wait_for_staging)
         self._route_loss_scaler(engine)
+        if self.broadcast_buffers and any(True for _ in module.buffers()):
+            broadcast = _BufferBroadcast(self)
+            self._hooks += [module.register_forward_pre_hook(broadcast.before_forward),
+                            module.register_forward_hook(broadcast.after_forward)]
         return engine
 
     def _route_loss_scaler(self, engine: ZeroEngine) -> None:
@@ -405,6 +411,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         """Finish the save in flight and close the engines (their hooks and process groups)."""
         for engine in self._engines.values():
             engine.close()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self._engines.clear()
         self._set_up_modules.clear()
         maybe_finalize_async_calls(blocking=True)
@@ -439,13 +448,34 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        return _no_sync(self._strategy.engine_of(module))
+        return _no_sync(self._strategy, self._strategy.engine_of(module))
 
 
 @contextlib.contextmanager
-def _no_sync(engine: ZeroEngine) -> Iterator[None]:
-    with engine.no_sync():
-        yield
+def _no_sync(strategy: ZeroLowLevelStrategy, engine: ZeroEngine) -> Iterator[None]:
+    skipping, strategy._skipping_sync = strategy._skipping_sync, True
+    try:
+        with engine.no_sync():
+            yield
+    finally:
+        strategy._skipping_sync = skipping
+
+
+class _BufferBroadcast:
+    """Rank 0's buffers on every rank before a training forward, when DDP's wrapper would broadcast them: on the
+    first forward and after a forward with gradients outside ``no_backward_sync`` (so once per accumulation
+    window, at its first micro-batch)."""
+
+    def __init__(self, strategy: ZeroLowLevelStrategy) -> None:
+        self.strategy = strategy
+        self.due = True
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if module.training and self.due:
+            _broadcast_from_rank0(list(module.buffers()))  # (collective)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.due = torch.is_grad_enabled() and not self.strategy._skipping_sync
 
 
 def _unwrap_module(module: nn.Module) -> nn.Module:
@@ -485,10 +515,23 @@ def _to_blob(values: dict[str, Any]) -> bytes:
     return blob
 
 
-@torch.no_grad()
 def _broadcast_state(module: nn.Module) -> None:
     """(collective) Rank 0's parameters and buffers on every rank."""
+    _broadcast_from_rank0([*module.parameters(), *module.buffers()])
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
+    """(collective) One flat broadcast per dtype and device."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=0)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

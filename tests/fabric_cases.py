@@ -36,6 +36,8 @@ class FabricCase:
     setup: str = "joint"
     """``joint``: ``fabric.setup(model, optimizer)``; ``separate``: ``setup_module`` then ``setup_optimizers``."""
     bucket_size_mb: float | None = 0.0005  # several buckets even for this tiny model
+    model: str = "net"
+    """``net``: engine_cases.Net; ``batchnorm``: BatchNormNet (buffers that forward changes per rank)."""
     branch_on_rank0_only: bool = False
     """Only rank 0's slice takes ``Net.branch`` (a parameter with a gradient on some ranks only)."""
 
@@ -88,9 +90,24 @@ def _precision_plugins(case: FabricCase) -> tuple[str | None, list[Any] | None]:
     return case.precision, None
 
 
-def fresh_model(rank: int) -> Net:
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(7, 11, bias=False)  # a bias before BatchNorm gets only rounding noise as gradient
+        self.norm = nn.BatchNorm1d(11)
+        self.head = nn.Linear(11, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.embed(x))))
+
+
+def fresh_model(rank: int, kind: str = "net") -> nn.Module:
     torch.manual_seed(0)
-    model = Net()
+    model = Net() if kind == "net" else BatchNormNet()
+    if rank != 0:  # rank 0's buffers must reach every rank too
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.add_(0.5)
     if rank != 0:  # setup must give every rank rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
@@ -127,7 +144,7 @@ class Loop:
 def set_up(rank: int, world_size: int, case: FabricCase, plugins: list[Any] | None = None) -> Loop:
     precision, precision_plugins = _precision_plugins(case)
     fabric = make_fabric(rank, world_size, _strategy(case), precision, [*(precision_plugins or []), *(plugins or [])])
-    model = fresh_model(rank)
+    model = fresh_model(rank, case.model)
     if case.setup == "joint":
         raw = make_optimizers(case.optimizer, model)
         fmodel, *foptimizers = fabric.setup(model, *raw)
@@ -171,7 +188,8 @@ def run_fabric(rank: int, world_size: int, case: FabricCase) -> dict[str, Any]:
     norms = train_steps(loop, case, rank, world_size, 0, case.steps)
     params = params_of(loop.model)
     strategy = loop.fabric.strategy
-    result: dict[str, Any] = {"params": params, "norms": norms}
+    buffers = {n: b.detach().clone() for n, b in loop.model.module.named_buffers()}
+    result: dict[str, Any] = {"params": params, "norms": norms, "buffers": buffers}
     if case.strategy == "ddp":
         return result
     engine = strategy.engines[0]

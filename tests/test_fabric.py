@@ -43,13 +43,17 @@ DDP_CASES: dict[str, FabricCase] = {
     # Fabric's own DDP strategy on the same loop, for the ZeRO runs of the same name to match.
     "everything-ddp": FabricCase(strategy="ddp", accumulate=2, clip_norm=0.05, branch_on_rank0_only=True),
     "two-optimizers-ddp": FabricCase(strategy="ddp", optimizer="two-adamw", accumulate=2, clip_norm=0.05),
+    # BatchNorm: statistics of each rank's slice, rank 0's running buffers broadcast before every forward.
+    "batchnorm-ddp": FabricCase(strategy="ddp", model="batchnorm", accumulate=2),
 }
+# Per-slice batch statistics: equal to DDP, not to one process over the whole batch.
+BATCHNORM_CASES = _both_stages("batchnorm", FabricCase(model="batchnorm", accumulate=2))
 LOW_PRECISION_CASES: dict[str, FabricCase] = {
     **_both_stages("bf16-true", FabricCase(precision="bf16-true", accumulate=2, clip_norm=0.05)),
     **_both_stages("bf16-mixed", FabricCase(precision="bf16-mixed", accumulate=2, clip_norm=0.05)),
     **_both_stages("16-mixed", FabricCase(precision="16-mixed", accumulate=2, clip_norm=0.05)),
 }
-CASES = {**EXACT_CASES, **LOW_PRECISION_CASES, **DDP_CASES}
+CASES = {**EXACT_CASES, **LOW_PRECISION_CASES, **DDP_CASES, **BATCHNORM_CASES}
 
 
 @functools.cache
@@ -66,7 +70,7 @@ def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, tor
                         atol: float = 1e-6, rtol: float = 1e-5) -> None:
     assert actual.keys() == expected.keys()
     for fqn, value in expected.items():
-        torch.testing.assert_close(actual[fqn].float(), value, atol=atol, rtol=rtol,
+        torch.testing.assert_close(actual[fqn].to(value.dtype), value, atol=atol, rtol=rtol,
                                    msg=lambda m, f=fqn: f"rank {rank}, {f}: {m}")
 
 
@@ -98,6 +102,7 @@ def test_two_ranks_match_fabrics_ddp_strategy(ddp_name: str, stage: int) -> None
     name = ddp_name.replace("-ddp", f"-zero{stage}")
     for rank, result in enumerate(results(2)):
         assert_params_close(result[name]["params"], result[ddp_name]["params"], rank)
+        assert_params_close(result[name]["buffers"], result[ddp_name]["buffers"], rank)
         assert result[name]["norms"] == pytest.approx(result[ddp_name]["norms"], rel=1e-5)
 
 
