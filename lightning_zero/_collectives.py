@@ -151,3 +151,21 @@ def all_reduce_(value: Tensor, group: dist.ProcessGroup | None, op: Any = dist.R
         dist.all_reduce(value, op=op, group=group)
     return value
 
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """(collective) The group's first rank's values of ``tensors`` on every rank, one flat broadcast per
+    dtype and device (DDP's ``broadcast_buffers`` before each forward; a load's buffers)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for same in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in same:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -360,6 +360,11 @@ class ZeroEngine:
         for sp in self.sharded_params.values():
             sp.adopt_param_writes(compare_values)
 
+    def broadcast_buffers(self) -> None:
+        """(collective over the engine's group) Rank 0's buffers on every rank: DDP's ``broadcast_buffers``
+        before each training forward, and a load's buffers."""
+        comm.broadcast_from_first(list(self._module.buffers()), self.group)
+
     def publish_masters(self) -> None:
         """All-gather every master shard into the model (after the masters were loaded)."""
         for opt in self.optimizers:

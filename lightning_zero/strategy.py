@@ -241,8 +241,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self._engine_live:
-            assert self.model is not None
-            lightning_tree.broadcast_buffers(self.model)
+            assert self._engine is not None
+            self._engine.broadcast_buffers()
         output = super().training_step(*args, **kwargs)
         if self.nonfinite_loss != "ignore" and self._engine_live:
             output = self._check_finite_loss(output)

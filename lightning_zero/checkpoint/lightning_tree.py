@@ -372,7 +372,7 @@ def keep_own_values(module: nn.Module, state_dict: dict[str, Any], url: str, str
 def publish(engine: ZeroEngine, module: nn.Module) -> None:
     """(collective, every rank) Gather the loaded masters into the model and take rank 0's buffers."""
     engine.publish_masters()
-    broadcast_buffers(module, engine.group)
+    engine.broadcast_buffers()
 
 
 def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: str, *,
@@ -409,25 +409,6 @@ def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[st
     keep_own_values(module, state_dict, checkpoint_id, strict, may_lack)
     module.load_state_dict(state_dict, strict=strict)
     return {**content, "state_dict": module.state_dict()}
-
-
-@torch.no_grad()
-def broadcast_buffers(module: nn.Module, group: Any = None) -> None:
-    """(collective) Rank 0's buffers on every rank, one flat broadcast per dtype and device, as
-    DDP's ``broadcast_buffers`` does before each forward."""
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return
-    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for buffer in module.buffers():
-        by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    for buffers in by_kind.values():
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for b in buffers:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
 
 
 def load_with_fallback(path: str, storage_options: dict[str, Any], load_one: Callable[[str], dict[str, Any]],
