@@ -36,6 +36,7 @@ class FabricCase:
     setup: str = "joint"
     """``joint``: ``fabric.setup(model, optimizer)``; ``separate``: ``setup_module`` then ``setup_optimizers``."""
     bucket_size_mb: float | None = 0.0005  # several buckets even for this tiny model
+    shard_group_size: int | None = None
     model: str = "net"
     """``net``: engine_cases.Net; ``batchnorm``: BatchNormNet (buffers that forward changes per rank)."""
     branch_on_rank0_only: bool = False
@@ -77,7 +78,8 @@ def _strategy(case: FabricCase) -> Any:
     if case.strategy == "ddp":  # Fabric's own; Net has a layer no forward calls
         return DDPStrategy(find_unused_parameters=True)
     if case.strategy in ("zero1", "zero2"):
-        return ZeroLowLevelStrategy(stage=int(case.strategy[-1]), bucket_size_mb=case.bucket_size_mb)  # type: ignore[arg-type]
+        return ZeroLowLevelStrategy(stage=int(case.strategy[-1]), bucket_size_mb=case.bucket_size_mb,  # type: ignore[arg-type]
+                                    shard_group_size=case.shard_group_size)
     return case.strategy
 
 
@@ -284,8 +286,9 @@ def run_load_weights_only(rank: int, world_size: int, case: FabricCase, path: st
     module = fabric.setup_module(fresh_model(rank))
     fabric.load_raw(path, module)
     raw_weights = params_of(module)
+    whole = fabric.load(path)  # no state: the whole checkpoint, in Lightning's format where the mode allows
     return {"weights": weights, "raw_weights": raw_weights, "optimizer_state": optimizer_state,
-            "remainder_keys": sorted(remainder)}
+            "remainder_keys": sorted(remainder), "whole_keys": sorted(whole)}
 
 
 def run_filtered_save(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:

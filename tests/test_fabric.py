@@ -36,6 +36,8 @@ EXACT_CASES: dict[str, FabricCase] = {
     **_both_stages("everything", FabricCase(accumulate=2, clip_norm=0.05, branch_on_rank0_only=True)),
     **_both_stages("setup-module-then-optimizers", FabricCase(setup="separate", accumulate=2, clip_norm=0.05)),
     **_both_stages("one-bucket", FabricCase(bucket_size_mb=None, accumulate=2)),
+    # Hybrid sharding: optimizer state sharded within groups of one rank, replicated across them.
+    **_both_stages("hybrid", FabricCase(shard_group_size=1, accumulate=2, clip_norm=0.05)),
     # fabric.setup(model, opt_a, opt_b): one engine shards both; each is clipped by its own global norm.
     **_both_stages("two-optimizers", FabricCase(optimizer="two-adamw", accumulate=2, clip_norm=0.05)),
 }

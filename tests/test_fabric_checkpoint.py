@@ -111,6 +111,10 @@ def test_weights_only_load_and_load_raw(mode: str, directory: str) -> None:
         _equal(loaded[rank]["raw_weights"], uninterrupted[rank]["saved_params"], f"rank {rank} load_raw")
         assert loaded[rank]["optimizer_state"] == 0, "a weights-only load must leave the optimizer as it was"
         assert loaded[rank]["remainder_keys"] == ["note", "scheduler", "step"]
+        if mode != "full":  # [a full file written by fabric.save is read as saved: the engine's tree, whole]
+            assert {"state_dict", "optimizer_states", "step", "note"} <= set(loaded[rank]["whole_keys"])
+        else:
+            assert {"model", "optimizer", "trainer"} <= set(loaded[rank]["whole_keys"])
 
 
 def test_checkpoint_reads_whole_in_lightning_format(directory: str) -> None:
