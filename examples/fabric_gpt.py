@@ -39,7 +39,7 @@ from lightning.fabric import Fabric
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples.` from any working directory
 
 from examples.tiny_gpt import PatternText, TinyGPT  # noqa: E402
-from lightning_zero.checkpoint import ZeroCheckpointIO, remove, remove_incomplete  # noqa: E402
+from lightning_zero.checkpoint import ZeroCheckpointIO, last_save_stats, remove, remove_incomplete  # noqa: E402
 from lightning_zero.fabric import ZeroLowLevelStrategy  # noqa: E402
 
 NAME = re.compile(r"step-(\d+)\.ckpt$")
@@ -137,8 +137,14 @@ def main() -> int:
             window_start, window_tokens = time.perf_counter(), 0
         if state["step"] % options.save_every == 0:
             path = f"{options.out_dir.rstrip('/')}/step-{state['step']:06d}.ckpt"
+            called = time.perf_counter()
             fabric.save(path, state)  # returns once queued; the previous save is finalized first
+            blocked = time.perf_counter() - called
             if fabric.global_rank == 0:
+                stats = last_save_stats()  # the previous save, committed by now
+                previous = (f"; the previous one committed {stats.committed_after_s * 1e3:.0f} ms after its call"
+                            if stats else "")
+                print(f"[fabric_gpt] saving {path}: the loop waited {blocked * 1e3:.1f} ms{previous}", flush=True)
                 for _, old in committed_checkpoints(options.out_dir)[:-1]:  # keep the newest committed and this one
                     remove(old)  # runs after the save in flight has committed
     fabric.strategy.teardown()  # the save in flight commits
