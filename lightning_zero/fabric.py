@@ -293,6 +293,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         io = self._zero_io()
         filter = filter or {}
         module_key, module, engine = self._split_state(state)
+        if engine is None:
+            engine = self.engine_of(module)  # a module set up without optimizers is saved by its owner's loop
         if set(filter) - {module_key}:
             raise ValueError(f"fabric.save(filter=...) filters the module's weights (key {module_key!r}) with"
                              f" ZeroLowLevelStrategy; got filters for {sorted(set(filter) - {module_key})}.")
@@ -314,16 +316,17 @@ class ZeroLowLevelStrategy(DDPStrategy):
         write = async_save if io.async_save else save
         write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
 
-    def _split_state(self, state: dict[str, Any]) -> tuple[str, nn.Module, ZeroEngine]:
-        """The key, module and engine of the one module in ``state``; the same checks on every rank, before any
-        collective."""
+    def _split_state(self, state: dict[str, Any]) -> tuple[str, nn.Module, ZeroEngine | None]:
+        """The key, module and engine (None: a module set up without optimizers) of the one module in ``state``;
+        the same checks on every rank, before any collective."""
         modules = [(key, _unwrap_module(value)) for key, value in state.items() if isinstance(value, nn.Module)]
         if len(modules) != 1:
             raise ValueError(f"fabric.save/load with ZeroLowLevelStrategy takes exactly one module in `state` (got"
                              f" {len(modules)}: {[k for k, _ in modules]}); save each module in its own checkpoint.")
         key, module = modules[0]
-        engine = self.engine_of(module)
-        own = set(map(id, engine.optimizers))
+        has_optimizers = any(isinstance(value, Optimizer) for value in state.values())
+        engine = self.engine_of(module) if has_optimizers else self._engines.get(module)
+        own = set(map(id, engine.optimizers)) if engine is not None else set()
         for name, value in state.items():
             if isinstance(value, Optimizer) and id(value) not in own:
                 raise ValueError(f"state[{name!r}] is not an optimizer of state[{key!r}] set up by ZeroLowLevelStrategy"
@@ -354,7 +357,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             return {}
         module_key, module, engine = self._split_state(state)
         optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
-        content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys))
+        if engine is None:  # set up without optimizers (inference): the weights, from any mode
+            content = self._load_weights(module, url, options, strict)
+        else:
+            content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys))
         for key in _LIGHTNING_OWN:
             content.pop(key, None)
         rest = {k: v for k, v in state.items() if k != module_key and k not in optimizer_keys}
@@ -371,28 +377,29 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 state[key] = content.pop(key)
         return content
 
-    def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool) -> None:
-        """``fabric.load_raw(path, module)``: the weights of any checkpoint of this package, or of a file holding a
-        plain ``state_dict``. A module trained by an engine gets the exact masters (its optimizers keep their
-        state)."""
+    def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """The weights of any checkpoint of this package, or of a file holding a plain ``state_dict``
+        (``fabric.load_raw(path, module)``); returns the checkpoint's other content. A module trained by an
+        engine gets the exact masters (its optimizers keep their state)."""
         module = _unwrap_module(module)
         engine = self._engines.get(module)
         if engine is not None:
-            self._load_module(engine, module, url, options, with_optimizers=False)
-            return
+            return self._load_module(engine, module, url, options, with_optimizers=False)
         content = read_lightning_checkpoint(url, options, optimizer=False)
         if "state_dict" in content:
-            load_weights(module, url, options, strict=strict)
-            return
+            return load_weights(module, url, options, strict=strict)
+        rest: dict[str, Any] = {}
         if isinstance(content.get("model"), dict) and TRAINER_KEY in content:
             # A ``full`` file written by fabric.save: the tree of zero_state_dict with whole tensors.
             state_dict = dict(content["model"])
             for alias, name in (content.get("meta") or {}).get("aliases", {}).items():
                 state_dict.setdefault(alias, state_dict[name])
+            rest = _from_blob(content[TRAINER_KEY])
         else:  # a plain ``torch.save(model.state_dict())`` file
             state_dict = content
         with torch.no_grad():
             module.load_state_dict(state_dict, strict=strict)
+        return rest
 
     @staticmethod
     def _load_module(engine: ZeroEngine, module: nn.Module, url: str, options: dict[str, Any],
@@ -506,7 +513,7 @@ def _to_blob(values: dict[str, Any]) -> bytes:
     try:
         torch.save(values, buffer)
         blob = buffer.getvalue()
-        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        _from_blob(blob)
     except Exception as exc:
         raise TypeError(
             "fabric.save: the state's values other than the module and its optimizers must be tensors, containers"
@@ -518,6 +525,10 @@ def _to_blob(values: dict[str, Any]) -> bytes:
 def _broadcast_state(module: nn.Module) -> None:
     """(collective) Rank 0's parameters and buffers on every rank."""
     _broadcast_from_rank0([*module.parameters(), *module.buffers()])
+
+
+def _from_blob(blob: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 @torch.no_grad()

@@ -286,9 +286,12 @@ def run_load_weights_only(rank: int, world_size: int, case: FabricCase, path: st
     module = fabric.setup_module(fresh_model(rank))
     fabric.load_raw(path, module)
     raw_weights = params_of(module)
+    inference = fabric.setup_module(fresh_model(rank))
+    inference_remainder = fabric.load(path, {"model": inference, "step": 0})
     whole = fabric.load(path)  # no state: the whole checkpoint, in Lightning's format where the mode allows
     return {"weights": weights, "raw_weights": raw_weights, "optimizer_state": optimizer_state,
-            "remainder_keys": sorted(remainder), "whole_keys": sorted(whole)}
+            "remainder_keys": sorted(remainder), "whole_keys": sorted(whole),
+            "inference_weights": params_of(inference), "inference_remainder_keys": sorted(inference_remainder)}
 
 
 def run_filtered_save(rank: int, world_size: int, case: FabricCase, path: str) -> dict[str, Any]:

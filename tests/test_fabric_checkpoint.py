@@ -102,13 +102,15 @@ def test_local_checkpoint_at_another_world_size_fails_on_every_rank(directory: s
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_weights_only_load_and_load_raw(mode: str, directory: str) -> None:
+def test_weights_only_load_load_raw_and_a_module_without_optimizer(mode: str, directory: str) -> None:
     path, uninterrupted = saved(2, mode, directory)
     loaded = run_distributed(run_load_weights_only, 2, replace(CASE, strategy="zero2"), path,
                              start_method="forkserver")
     for rank in range(2):
         _equal(loaded[rank]["weights"], uninterrupted[rank]["saved_params"], f"rank {rank} weights")
         _equal(loaded[rank]["raw_weights"], uninterrupted[rank]["saved_params"], f"rank {rank} load_raw")
+        _equal(loaded[rank]["inference_weights"], uninterrupted[rank]["saved_params"], f"rank {rank} no optimizer")
+        assert loaded[rank]["inference_remainder_keys"] == ["note", "scheduler"]
         assert loaded[rank]["optimizer_state"] == 0, "a weights-only load must leave the optimizer as it was"
         assert loaded[rank]["remainder_keys"] == ["note", "scheduler", "step"]
         if mode != "full":  # [a full file written by fabric.save is read as saved: the engine's tree, whole]
