@@ -28,8 +28,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q -ra
 
+# The quick loop: neither the e2e tier (tests that start fresh interpreters: the command, configs, demo,
+# examples, torchrun, bench scripts, peer loss; marked in tests/conftest.py) nor the slow Lightning runs.
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -m "not e2e and not slow"
 
 # One virtual environment per supported Python x torch x Lightning combination (under .matrix/), each
 # running the fast tests; results in .matrix/results.txt, recorded in COMPATIBILITY.md. Not run by CI.

@@ -1,4 +1,4 @@
-"""Shared test setup: fork-server preload, a one-rank in-process gloo group, a hypothesis profile."""
+"""Shared test setup: fork-server preload, a one-rank in-process gloo group, a hypothesis profile, the e2e tier."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -31,6 +32,42 @@ os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", 
 
 settings.register_profile("lightning_zero", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("lightning_zero")
+
+TESTS = Path(__file__).resolve().parent
+E2E_MODULES = frozenset({
+    "test_cli",  # the lightning-zero command
+    "test_configs",  # every config in configs/ through the command
+    "test_demo",  # examples/demo.py (make demo)
+    "test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
+    "test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
+    "test_multinode",  # two "nodes", each a script with its own ranks
+    "test_bench_engine",  # bench/engine.py
+    "test_bench_scale",  # bench/scale.py
+    "test_bench_write_loop",  # bench/write_loop.py
+    "test_gpu_check",  # bench/gpu_check.py
+    "faults/test_peer_loss_trainer",  # one script per node, one of them killed or stopped
+    "faults/test_killed_job",  # a training script SIGKILLed mid-save
+    "faults/test_clean_exit",  # fit and resume scripts must exit cleanly
+    "faults/test_endurance",  # 200 saves: minutes, not a fresh interpreter
+})
+"""Test modules (paths under tests/, without .py) in the ``e2e`` tier: their tests start fresh
+interpreters (a command, an example or bench script, torchrun) or run for minutes. Every test in them
+is marked ``e2e`` here, so ``make test-fast`` (``-m "not e2e and not slow"``) leaves them out and the
+modules need no marks of their own; ``make test`` runs them. A few tests in these modules run in this
+process (the command's argument parsing, the bench modules' helpers): they go with their module.
+Modules where one test among many in-process ones starts the command (test_convert,
+test_old_checkpoints, faults/test_hostile_files) stay out; those tests are marked ``slow``."""
+
+_missing = sorted(name for name in E2E_MODULES if not (TESTS / f"{name}.py").is_file())
+assert not _missing, f"E2E_MODULES names modules that do not exist (renamed?): {_missing}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.with_suffix("")
+        if module.is_relative_to(TESTS) and module.relative_to(TESTS).as_posix() in E2E_MODULES:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture
