@@ -20,6 +20,7 @@ import contextlib
 import copy
 import io
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -27,7 +28,6 @@ from typing import Any, Literal
 
 import lightning
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -38,13 +38,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import _collectives as comm
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero.checkpoint import (
     ZeroCheckpointIO,
     async_save,
     load_weights,
     load_zero_state_dict,
-    maybe_finalize_async_calls,
     read_lightning_checkpoint,
     save,
     wait_for_staging,
@@ -78,8 +78,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         ``storage_options``; the default is ``ZeroCheckpointIO()`` (``sharded``, asynchronous).
 
     A save still in flight is finished by the next ``fabric.save``, by ``fabric.load`` and by
-    :meth:`teardown` (Fabric does not call it: call ``fabric.strategy.teardown()`` or
-    ``lightning_zero.checkpoint.maybe_finalize_async_calls()`` at the end of the loop).
+    :meth:`teardown`, which also ends the saver's thread and coordination group (Fabric does not call it:
+    call ``fabric.strategy.teardown()`` at the end of the loop).
     """
 
     strategy_name = "zero_low_level"
@@ -126,6 +126,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._meta: dict[nn.Module, dict[str, Any]] = {}
         self._hooks: list[Any] = []
         self._skipping_sync = False  # inside ``fabric.no_backward_sync(model)``
+        self._io_set_up = False
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     @property
@@ -199,6 +200,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
             raise ValueError("ZeroLowLevelStrategy needs at least one optimizer to shard: `fabric.setup(model, optimizer)`.")
         engine = ZeroEngine(module, optimizers, self.zero_config)  # broadcasts rank 0's weights and buffers
         self._engines[module] = engine
+        io = self.checkpoint_io
+        if isinstance(io, ZeroCheckpointIO) and not self._io_set_up:
+            # The group background saves coordinate over, made now on every rank: no save makes a collective
+            # on the training thread for it.
+            io.set_up(self.num_processes)
+            self._io_set_up = True
         # Once, now that dtypes are final and no gather is in flight (a save would otherwise wait for the
         # step's overlapped gathers: zero_state_dict's ``meta`` argument).
         self._meta[module] = zero_state_dict(engine, module)["meta"]
@@ -207,7 +214,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             optimizer.register_pre_update_hook(wait_for_staging)
         self._route_loss_scaler(engine)
         if self.broadcast_buffers and any(True for _ in module.buffers()):
-            broadcast = _BufferBroadcast(self)
+            broadcast = _BufferBroadcast(self, engine)
             self._hooks += [module.register_forward_pre_hook(broadcast.before_forward),
                             module.register_forward_hook(broadcast.after_forward)]
         return engine
@@ -290,6 +297,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         ``filter={"model": fn}`` keeps the weights and buffers for which ``fn(name, tensor)`` is true. With
         ``async_save`` the call returns once the save is queued; the tensors are copied before the next
         optimizer update."""
+        called = time.perf_counter()
         io = self._zero_io()
         filter = filter or {}
         module_key, module, engine = self._split_state(state)
@@ -315,6 +323,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step", "step") and isinstance(v, int)}
         write = async_save if io.async_save else save
         write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
+        if io.async_save:
+            io.note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too
 
     def _split_state(self, state: dict[str, Any]) -> tuple[str, nn.Module, ZeroEngine | None]:
         """The key, module and engine (None: a module set up without optimizers) of the one module in ``state``;
@@ -423,8 +433,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._hooks.clear()
         self._engines.clear()
         self._set_up_modules.clear()
-        maybe_finalize_async_calls(blocking=True)
-        super().teardown()
+        super().teardown()  # the checkpoint plugin's teardown finalizes the save in flight
+        io = self.checkpoint_io
+        if isinstance(io, ZeroCheckpointIO):
+            io.release()  # its thread and coordination group end with the loop; a later save makes them again
+            self._io_set_up = False
 
     @classmethod
     @override
@@ -473,13 +486,14 @@ class _BufferBroadcast:
     first forward and after a forward with gradients outside ``no_backward_sync`` (so once per accumulation
     window, at its first micro-batch)."""
 
-    def __init__(self, strategy: ZeroLowLevelStrategy) -> None:
+    def __init__(self, strategy: ZeroLowLevelStrategy, engine: ZeroEngine) -> None:
         self.strategy = strategy
+        self.engine = engine
         self.due = True
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         if module.training and self.due:
-            _broadcast_from_rank0(list(module.buffers()))  # (collective)
+            self.engine.broadcast_buffers()  # (collective)
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.due = torch.is_grad_enabled() and not self.strategy._skipping_sync
@@ -524,25 +538,9 @@ def _to_blob(values: dict[str, Any]) -> bytes:
 
 def _broadcast_state(module: nn.Module) -> None:
     """(collective) Rank 0's parameters and buffers on every rank."""
-    _broadcast_from_rank0([*module.parameters(), *module.buffers()])
+    with torch.no_grad():
+        comm.broadcast_from_first([*module.parameters(), *module.buffers()])
 
 
 def _from_blob(blob: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(tensors: list[Tensor]) -> None:
-    """(collective) One flat broadcast per dtype and device."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for group in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, src=0)
-        offset = 0
-        for t in group:
-            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
