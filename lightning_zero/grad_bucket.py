@@ -11,7 +11,7 @@ Who launches which bucket when is :mod:`lightning_zero.grad_reducer` (backward) 
 
 [Note: bucket layout] A bucket's communication buffer is ``[world_size, row_numel + k]``:
 row ``r`` holds, for every parameter of the bucket, its padded chunk ``r`` (so rows are
-``g-0 | g-1 | ...`` of DESIGN.md), followed by ``k`` (= parameters in the bucket) presence
+``g-0 | g-1 | ...``: rank r's chunks of every parameter side by side), followed by ``k`` (= parameters in the bucket) presence
 flags. Every rank writes 1 into the flag column of each parameter it has a gradient for, in
 every row, so after the reduction every rank holds, per parameter, how many ranks produced a
 gradient. That tells all ranks, without a collective of its own, which parameters got no
@@ -222,7 +222,7 @@ class GradBucket:
             grad = sp.param.grad
             rows = sp.rows(buffer)
             if grad is None:
-                rows.zero_()  # no gradient here: zeros in the sum (DESIGN.md, layer drop)
+                rows.zero_()  # no gradient here (a dropped layer): zeros in the sum
                 flags[:, j].zero_()
                 continue
             if grad.is_sparse:

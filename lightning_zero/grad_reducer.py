@@ -9,8 +9,8 @@ collectives in the same order even when ranks skip different parameters, the cau
 hangs reported against other ZeRO implementations (PyTorch #158719, DeepSpeed #777).
 
 [Note: gloo reduce-scatter] gloo's ``reduce_scatter`` clones its whole input on the calling
-thread, all-reduces the clone and copies out one chunk: measured on 2 CPU ranks with 40 MB, 57 ms
-against 31 ms for an in-place all-reduce of the same buffer (BENCHMARKS.md). On gloo, stage 2
+thread, all-reduces the clone and copies out one chunk: slower than an in-place all-reduce of the
+same buffer (BENCHMARKS.md has the measurement). On gloo, stage 2
 therefore all-reduces its packed buffer in place and keeps its row, which moves the same bytes
 gloo would move anyway; on backends with a native reduce-scatter (NCCL) both stages use it (half
 the bytes of an all-reduce: stage 1 needs only its row too). Either way the full gradients are
@@ -104,7 +104,7 @@ class GradReducer:
         if not self._sync_enabled:
             return
         if self._state is not ReduceState.BACKWARD:
-            # Flush at the end of *this* backward, not at the step (DESIGN.md).
+            # Flush at the end of *this* backward, not at the step: gradient accumulation reduces each one.
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self._state = ReduceState.BACKWARD
             self.before_first_reduction()

@@ -1,6 +1,6 @@
 """The sharded optimizer: the user's optimizer stepping this rank's fp32 master shards.
 
-Step order (DESIGN.md, data flow 5): the reductions were already waited for when backward
+Step order (ARCHITECTURE.md, "The path of a gradient"): the reductions were already waited for when backward
 ended (:class:`~lightning_zero.grad_reducer.GradReducer`); the closure runs (Lightning's forward and
 backward); the previous step's parameter gathers are finished and the presence of gradients is
 read, once; the pre-update hooks run; clipping uses the global norm; the inner optimizer updates

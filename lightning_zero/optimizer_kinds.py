@@ -1,7 +1,7 @@
 """Which optimizers ZeRO can step on flat even shards, and which need whole matrices.
 
 [Note: optimizer kinds] The engine hands the user's optimizer flat 1-D shards of every parameter
-(DESIGN.md, data flow 1). That is exact only for an *elementwise* optimizer, whose update of an
+(the even split of sharding.py). That is exact only for an *elementwise* optimizer, whose update of an
 element reads that element's gradient and state alone (SGD, Adam, AdamW, ...). A *shape-aware*
 optimizer reads a whole matrix for part of its update (Muon orthogonalizes it, Adafactor factors its
 second moment into rows and columns and scales by the parameter's norm): on a shard it is silently

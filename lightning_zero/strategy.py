@@ -210,7 +210,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._route_precision_plugin()
             for optimizer in self._engine.optimizers:
                 # The only mutation of checkpointed tensors: a save still staging must finish first.
-                # After the closure, so staging overlaps training_step and backward (DESIGN.md).
+                # After the closure, so staging overlaps training_step and backward (BENCHMARKS.md measures it).
                 optimizer.register_pre_update_hook(self._wait_for_staging)
         else:
             self.optimizers = []

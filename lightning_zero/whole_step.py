@@ -1,7 +1,7 @@
 """Shape-aware optimizers (Muon, Adafactor) stepped exactly on evenly sharded state.
 
 [Note: whole-matrix step] Between steps a shape-aware optimizer's parameters are held like any
-other: the fp32 master as this rank's even shard (DESIGN.md, data flow 1), every state tensor shaped
+other: the fp32 master as this rank's even shard (sharding.py), every state tensor shaped
 like the parameter (Muon's momentum, Adafactor's vector variance) as the same even shard, and every
 other state value (Adafactor's ``step``, its row and column factors: small) whole and identical on
 every rank of the shard group. Checkpoints therefore see the same tree as for AdamW (flat shards

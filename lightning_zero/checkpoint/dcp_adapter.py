@@ -260,7 +260,7 @@ def spread_dedup(all_plans: list[Any], spread_fqns: set[str]) -> list[Any]:
     ``dedup_save_to_lowest_rank`` gives every copy of a hybrid shard to shard group 0, which would
     then write the whole state while the other groups write nothing. Here a plain tensor (buffers,
     parameters no optimizer holds) still goes to the lowest rank, so a checkpoint holds rank 0's
-    buffers as DDP does (DESIGN.md, Lifecycle); a chunk replicated across shard groups goes to
+    buffers, the ones DDP keeps; a chunk replicated across shard groups goes to
     whichever of its holders has the fewest bytes planned so far, largest chunks first
     (longest-processing-time first), so the writes spread over the replica groups, each chunk is
     written once and the total is one copy of the state."""

@@ -3,7 +3,7 @@ carries a CRC32 computed while writing and checked while reading.
 
 [Note: why our own checksums] ``torch.load`` does not check the CRCs of the zip it reads, and
 DCP's reader does not either, so a flipped byte inside tensor data loads as a wrong number with no
-error. ``zlib.crc32`` (no extra dependency, ~3 GB/s on one core here) is computed once per tensor:
+error. ``zlib.crc32`` (no extra dependency; its cost is in BENCHMARKS.md) is computed once per tensor:
 
 * ``local`` rank files and the ``full`` file: a header entry (:data:`HEADER_KEY`) inside the same
   ``torch.save``, holding the save id, the rank and world size (``local``) and, per tensor or bytes

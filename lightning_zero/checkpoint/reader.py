@@ -25,7 +25,7 @@ from lightning_zero.engine import dtype_from_name
 
 MASTERS_KEY = "lightning_zero_masters"
 """Top-level key of a ``full`` file holding the fp32 master weights of parameters kept in a lower
-precision (``bf16-true``), so a resume restores the exact masters (DESIGN.md, Lifecycle)."""
+precision (``bf16-true``), so a resume restores the exact masters."""
 META_KEY = "lightning_zero_meta"
 """Top-level key of a ``full`` file holding what a reader without the module needs (parameter dtypes,
 tied-weight aliases, the Hugging Face config)."""

@@ -71,12 +71,12 @@ class WritebackStream:
     - the next range is written into the pages just freed, not into memory untouched for a while.
       On a VM that reports free memory to its host (virtio-balloon free page reporting, as on this
       project's benchmark machine) the host takes such memory back, and touching it again costs a
-      host page fault per page: fresh memory filled at 395-464 MiB/s there, memory just freed at
-      2.5 GB/s, and every checkpoint write that landed on fresh memory ran at a third of the
-      disk's rate (BENCHMARKS.md, "Drop behind and two writer threads").
+      host page fault per page, several times slower than reusing memory just freed, and
+      checkpoint writes that land on fresh memory fall far below the disk's rate (BENCHMARKS.md,
+      "Drop behind and two writer threads", has the figures).
     The price: the waits, and a read of the checkpoint right after its save comes from the disk.
     Where every save reuses memory freed a second earlier (``bench/write_loop.py``'s back-to-back
-    saves), keeping the pages is faster: 0.55 s against 0.70 s for 568 MB. The file's last two
+    saves), keeping the pages is faster (``drop_behind=False``; BENCHMARKS.md). The file's last two
     ranges stay cached (clean after the fsync)."""
 
     def __init__(self, raw: Any, every: int | None = None, drop_behind: bool | None = None) -> None:

@@ -59,7 +59,7 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     tensors, objects = split_for_dcp(state)
     writer = dcp_storage.writer(loc, version_dir, save_id, tuning)
     # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
-    # holding them, so a checkpoint holds rank 0's buffers, as DDP keeps (DESIGN.md, Lifecycle).
+    # holding them, so a checkpoint holds rank 0's buffers, the ones DDP keeps.
     spread = _has_replicas(state)
     cache_key = plan_cache_key(team.global_ranks, spread, signatures)
     forget_other_plans(cache_key)
