@@ -403,3 +403,15 @@ def run_fabric_trains_like_the_trainer(rank: int, world_size: int, path: str, mo
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
     fabric.strategy.teardown()
     return weights
+
+
+def run_load_filtered(rank: int, world_size: int, path: str, strict: bool) -> str:
+    """Load a checkpoint that holds only some weights (saved with ``filter``) into a set-up module."""
+    loop = set_up(rank, world_size, FabricCase())
+    try:
+        loop.fabric.load(path, {"model": loop.model}, strict=strict)
+        outcome = "loaded"
+    except Exception as exc:  # reported to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    loop.fabric.strategy.teardown()
+    return outcome

@@ -21,6 +21,7 @@ from fabric_cases import (
     run_bad_saves,
     run_filtered_save,
     run_load_and_continue,
+    run_load_filtered,
     run_load_weights_only,
     run_reference,
     run_save_and_continue,
@@ -155,3 +156,12 @@ def test_strict_load_names_the_missing_key_and_strict_false_leaves_it(directory:
         assert "'absent'" in result["strict_error"] and "strict=False" in result["strict_error"]
         assert result["absent"] == 7
         assert result["remainder_keys"] == ["note", "scheduler", "step"]
+
+
+@pytest.mark.xfail(strict=True, reason="the public load_zero_state_dict has no strict argument yet: a module set up"
+                   " with optimizers cannot load a checkpoint that lacks some of its weights")
+def test_strict_false_loads_a_checkpoint_with_only_some_weights(tmp_path: Path) -> None:
+    path = str(tmp_path / "filtered.ckpt")
+    run_distributed(run_filtered_save, 2, replace(CASE, strategy="zero2"), path, start_method="forkserver")
+    outcomes = run_distributed(run_load_filtered, 2, path, False, start_method="forkserver")
+    assert outcomes == ["loaded", "loaded"]
