@@ -9,7 +9,7 @@ Who launches which bucket when is :mod:`lightning_zero.grad_reducer` (backward) 
 :mod:`lightning_zero.comm_pool`; the collectives are the stateless functions of
 :mod:`lightning_zero._collectives`.
 
-[Note: bucket layout] A bucket's communication buffer is ``[world_size, row_numel + k]``:
+[Note: bucket layout] A bucket's communication buffer is ``[shard_size, row_numel + k]``:
 row ``r`` holds, for every parameter of the bucket, its padded chunk ``r`` (so rows are
 ``g-0 | g-1 | ...``: rank r's chunks of every parameter side by side), followed by ``k`` (= parameters in the bucket) presence
 flags. Every rank writes 1 into the flag column of each parameter it has a gradient for, in
@@ -123,7 +123,7 @@ class ShardedParam:
         return self.bucket.present_count[self.flag_index]
 
     def rows(self, buffer: Tensor) -> Tensor:
-        """This parameter's ``[world_size, chunk]`` column block of a bucket buffer."""
+        """This parameter's ``[shard_size, chunk]`` column block of a bucket buffer."""
         return buffer[:, self.offset : self.offset + self.layout.chunk]
 
 
@@ -178,9 +178,9 @@ class GradBucket:
         counts live; None for a bucket of frozen parameters, which never reduces (its shards are
         still gathered and checkpointed)."""
         self.index = index
-        self.world_size = layout.shard_group_size  # ranks sharing the shards: the shard group's size
+        self.shard_size = layout.shard_group_size  # ranks the shards are split over: the shard group
         self.rank = layout.shard_rank(rank)  # in the shard group
-        # Ranks whose gradients are averaged: the whole world, more than ``world_size`` when hybrid.
+        # Ranks whose gradients are averaged: the whole world, more than ``shard_size`` when hybrid.
         self.average_over = layout.world_size
         # Hybrid sharding: shard groups holding this split, and which of them this rank is in.
         self.replicas = layout.num_replicas
@@ -190,7 +190,7 @@ class GradBucket:
         self.dtype = first.dtype
         self.device = first.device
         self.reduce_dtype = reduce_dtype or self.dtype  # what gradients are summed in
-        shards = [EvenShard(p.numel(), self.world_size) for _, p in named_params]
+        shards = [EvenShard(p.numel(), self.shard_size) for _, p in named_params]
         offsets = [sum(shard.chunk for shard in shards[:i]) for i in range(len(shards))]
         self.row_numel = sum(shard.chunk for shard in shards)
         master_dtype = master_dtype_for(self.dtype)
@@ -241,7 +241,7 @@ class GradBucket:
     @property
     def predivide(self) -> bool:
         """Average as a SUM of pre-divided values only where the SUM could overflow (fp16);
-        otherwise divide the reduced shard, 1/world_size of the data (ReduceOp.AVG is not on
+        otherwise divide the reduced shard, 1/shard_size of the data (ReduceOp.AVG is not on
         every backend)."""
         return self.average_over > 1 and self.reduce_dtype == torch.float16
 
@@ -255,16 +255,16 @@ class GradBucket:
         assert self.pending is None, f"bucket {self.index} launched twice in one backward"
         n = self.reduce_numel
         # The reduce-scatter output sits in the same slot, after the input.
-        flat = pool.take(slot, n * (self.world_size + (1 if reduce_scatter else 0)), self.reduce_dtype,
+        flat = pool.take(slot, n * (self.shard_size + (1 if reduce_scatter else 0)), self.reduce_dtype,
                          self.device)
-        buffer = flat[: n * self.world_size].view(self.world_size, n)
+        buffer = flat[: n * self.shard_size].view(self.shard_size, n)
         try:
             self.pack_gradients(buffer)
         except BaseException:
             pool.give_back(slot, self.device)  # a rejected gradient must not leak the slot
             raise
         if reduce_scatter:
-            output = flat[n * self.world_size :]
+            output = flat[n * self.shard_size :]
             work = comm.reduce_scatter(output, buffer.view(-1), group, async_op)
         else:
             work = comm.all_reduce(buffer, group, async_op)
@@ -317,8 +317,8 @@ class GradBucket:
         # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
         # be finished before the next inner step writes it (ParamGatherer.finish in the step).
         gather_input = self.master_shard.to(self.dtype)
-        gathered = pool.take(slot, self.world_size * self.row_numel, self.dtype, self.device)
-        rows = gathered.view(self.world_size, self.row_numel)
+        gathered = pool.take(slot, self.shard_size * self.row_numel, self.dtype, self.device)
+        rows = gathered.view(self.shard_size, self.row_numel)
         if piece_numel is not None and gathered.numel() > piece_numel:
             comm.all_gather_in_pieces(rows, gather_input, group, piece_numel)
             work = None
@@ -336,7 +336,7 @@ class PendingReduce:
     slot: int
     replica_group: dist.ProcessGroup | None = None  # hybrid: the hop still to launch (None once launched)
     async_op: bool = True
-    rows: Tensor | None = None  # [world_size, reduce_numel]: every row, when all-reduced (full gradients)
+    rows: Tensor | None = None  # [shard_size, reduce_numel]: every row, when all-reduced (full gradients)
 
 
 @dataclass
@@ -345,7 +345,7 @@ class PendingGather:
 
     bucket: GradBucket
     work: comm.Work
-    gathered: Tensor  # [world_size, row_numel], a pooled slot
+    gathered: Tensor  # [shard_size, row_numel], a pooled slot
     gather_input: Tensor  # kept alive until the collective completes
     slot: int
 

@@ -450,7 +450,7 @@ def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) ->
     finally:
         comm.all_gather, comm.all_reduce, comm.reduce_scatter = originals  # type: ignore[assignment]
     itemsize = 4
-    largest = max(max(b.world_size * b.reduce_numel, b.world_size * b.row_numel) for b in engine.buckets) * itemsize
+    largest = max(max(b.shard_size * b.reduce_numel, b.shard_size * b.row_numel) for b in engine.buckets) * itemsize
     result = {
         "gather_storages": len({ptr for ptr, _ in seen["gather"]}),
         "reduce_storages": len({ptr for ptr, _ in seen["reduce"]}),

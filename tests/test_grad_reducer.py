@@ -69,7 +69,7 @@ def test_bucket_holds_its_hybrid_place_and_presence_counts_from_construction() -
     params = [("a", nn.Parameter(torch.ones(5))), ("b", nn.Parameter(torch.ones(3)))]
     presence = PresenceCounts(p.device for _, p in params)
     bucket = GradBucket(0, params, HybridLayout(world_size=4, shard_group_size=2), rank=3, presence=presence)
-    assert (bucket.world_size, bucket.rank) == (2, 1)  # the shard group's size and place
+    assert (bucket.shard_size, bucket.rank) == (2, 1)  # the shard group's size and place
     assert (bucket.replicas, bucket.replica_rank, bucket.average_over) == (2, 1, 4)
     assert bucket.communicates
     bucket.present_count.add_(torch.tensor([2.0, 0.0]))
