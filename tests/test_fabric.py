@@ -155,3 +155,42 @@ def _net() -> torch.nn.Module:
     from engine_cases import Net
 
     return Net()
+
+
+@pytest.fixture
+def strategy(single_rank_group: None) -> ZeroLowLevelStrategy:
+    """The strategy on its own, in a world of one rank in this process (no Fabric, no launch)."""
+    from lightning.fabric.accelerators import CPUAccelerator
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    return ZeroLowLevelStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")],
+                                cluster_environment=LightningEnvironment())
+
+
+def test_a_second_setup_optimizers_call_for_a_module_is_refused_with_the_fix(strategy: ZeroLowLevelStrategy) -> None:
+    model = _net()
+    strategy.setup_module(model)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    strategy.setup_optimizer(torch.optim.SGD(weights, lr=0.1))
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, opt_a, opt_b\)"):
+        strategy.setup_optimizer(torch.optim.SGD(rest, lr=0.1))
+    strategy.teardown()
+
+
+def test_an_optimizer_of_no_set_up_module_is_refused(strategy: ZeroLowLevelStrategy) -> None:
+    with pytest.raises(RuntimeError, match="set up the module first"):
+        strategy.setup_optimizer(torch.optim.SGD(_net().parameters(), lr=0.1))
+
+
+def test_load_raw_into_an_optimizer_is_refused(strategy: ZeroLowLevelStrategy, tmp_path: Any) -> None:
+    with pytest.raises(NotImplementedError, match="optimizer state is sharded"):
+        strategy.load_checkpoint(tmp_path / "x.ckpt", torch.optim.SGD(_net().parameters(), lr=0.1))
+
+
+def test_a_plain_checkpoint_io_is_refused_at_save(strategy: ZeroLowLevelStrategy, tmp_path: Any) -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    strategy.checkpoint_io = TorchCheckpointIO()
+    with pytest.raises(TypeError, match="ZeroCheckpointIO"):
+        strategy.save_checkpoint(tmp_path / "x.ckpt", {"model": _net()})
