@@ -289,9 +289,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """(every rank) ``state`` holds one module set up with its optimizers (``"model": model``), any of
-        them (``"optimizer": optimizer``; left out: the checkpoint holds no optimizer state) and any other
-        values, which go into the checkpoint as they are (objects with ``state_dict()``: their state dict).
+        """(every rank) ``state`` holds one module set up with its optimizers (``"model": model``), any of them
+        (``"optimizer": optimizer``; with one, the checkpoint holds the state of every optimizer of the module;
+        with none, no optimizer state) and any other values, which go into the checkpoint as they are (objects
+        with ``state_dict()``: their state dict).
 
         The module's exact fp32 masters and the optimizers' sharded state are written in the plugin's mode;
         ``filter={"model": fn}`` keeps the weights and buffers for which ``fn(name, tensor)`` is true. With
@@ -306,21 +307,23 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if set(filter) - {module_key}:
             raise ValueError(f"fabric.save(filter=...) filters the module's weights (key {module_key!r}) with"
                              f" ZeroLowLevelStrategy; got filters for {sorted(set(filter) - {module_key})}.")
+        saved_optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
+        rest = {key: value.state_dict() if _is_stateful(value) else value for key, value in state.items()
+                if key != module_key and key not in saved_optimizers}
+        blob = _to_blob({VERSION_KEY: lightning.__version__, **rest})  # refuses what would not load back
         wait_for_staging()  # a save still copying the masters finishes before they are written again
         engine.adopt_module_writes()  # weights written into the module are what is saved
         tree = zero_state_dict(engine, module, meta=self._meta[module])
-        saved_optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
         if not saved_optimizers:
             tree.pop("optimizer")
         if module_key in filter:
             keep = filter[module_key]
             tensors = {**dict(engine.named_parameters()), **dict(module.named_buffers())}
             tree["model"] = {fqn: leaf for fqn, leaf in tree["model"].items() if keep(fqn, tensors[fqn].detach())}
-        rest = {key: value.state_dict() if _is_stateful(value) else value for key, value in state.items()
-                if key != module_key and key not in saved_optimizers}
-        tree[TRAINER_KEY] = _to_blob({VERSION_KEY: lightning.__version__, **rest})
+        tree[TRAINER_KEY] = blob
         options = {**io.storage_options, **(storage_options or {})}
-        fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step", "step") and isinstance(v, int)}
+        # Lightning's fields, where readers of its files look for them (and each save's figures take the step).
+        fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
         write = async_save if io.async_save else save
         write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
         if io.async_save:
