@@ -373,7 +373,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if engine is None:  # set up without optimizers (inference): the weights, from any mode
             content = self._load_weights(module, url, options, strict)
         else:
-            content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys))
+            content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys),
+                                        strict=strict)
         for key in _LIGHTNING_OWN:
             content.pop(key, None)
         rest = {k: v for k, v in state.items() if k != module_key and k not in optimizer_keys}
@@ -401,27 +402,18 @@ class ZeroLowLevelStrategy(DDPStrategy):
         content = read_lightning_checkpoint(url, options, optimizer=False)
         if "state_dict" in content:
             return load_weights(module, url, options, strict=strict)
-        rest: dict[str, Any] = {}
-        if isinstance(content.get("model"), dict) and TRAINER_KEY in content:
-            # A ``full`` file written by fabric.save: the tree of zero_state_dict with whole tensors.
-            state_dict = dict(content["model"])
-            for alias, name in (content.get("meta") or {}).get("aliases", {}).items():
-                state_dict.setdefault(alias, state_dict[name])
-            rest = _from_blob(content[TRAINER_KEY])
-        else:  # a plain ``torch.save(model.state_dict())`` file
-            state_dict = content
-        with torch.no_grad():
-            module.load_state_dict(state_dict, strict=strict)
-        return rest
+        with torch.no_grad():  # a plain ``torch.save(model.state_dict())`` file
+            module.load_state_dict(content, strict=strict)
+        return {}
 
     @staticmethod
     def _load_module(engine: ZeroEngine, module: nn.Module, url: str, options: dict[str, Any],
-                     with_optimizers: bool) -> dict[str, Any]:
+                     with_optimizers: bool, strict: bool = True) -> dict[str, Any]:
         """(every rank) The masters, buffers and, ``with_optimizers``, the optimizers' state from ``url``;
         returns the checkpoint's other content."""
         wait_for_staging()  # a save still copying the masters finishes before they are overwritten
         kept = [] if with_optimizers else [copy.deepcopy(opt.state_dict()) for opt in engine.optimizers]
-        content = dict(load_zero_state_dict(engine, module, url, storage_options=options))
+        content = dict(load_zero_state_dict(engine, module, url, storage_options=options, strict=strict))
         for opt, state in zip(engine.optimizers, kept, strict=False):
             opt.load_state_dict(state)  # only the weights were asked for: the optimizers stay as they were
         return content

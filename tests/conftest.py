@@ -39,6 +39,7 @@ E2E_MODULES = frozenset({
     "test_configs",  # every config in configs/ through the command
     "test_demo",  # examples/demo.py (make demo)
     "test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
+    "test_fabric_example",  # examples/fabric_gpt.py, killed after its first save and run again
     "test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
     "test_multinode",  # two "nodes", each a script with its own ranks
     "test_bench_engine",  # bench/engine.py

@@ -405,13 +405,16 @@ def run_fabric_trains_like_the_trainer(rank: int, world_size: int, path: str, mo
     return weights
 
 
-def run_load_filtered(rank: int, world_size: int, path: str, strict: bool) -> str:
-    """Load a checkpoint that holds only some weights (saved with ``filter``) into a set-up module."""
+def run_load_filtered(rank: int, world_size: int, path: str, strict: bool) -> dict[str, Any]:
+    """Load a checkpoint that holds only some weights (saved with ``filter``) into a set-up module: the
+    outcome, the module's weights before and after."""
     loop = set_up(rank, world_size, FabricCase())
+    before = {k: v.detach().clone() for k, v in loop.model.state_dict().items()}
     try:
         loop.fabric.load(path, {"model": loop.model}, strict=strict)
         outcome = "loaded"
     except Exception as exc:  # reported to the test
         outcome = f"{type(exc).__name__}: {exc}"
+    after = {k: v.detach().clone() for k, v in loop.model.state_dict().items()}
     loop.fabric.strategy.teardown()
-    return outcome
+    return {"outcome": outcome, "before": before, "after": after}

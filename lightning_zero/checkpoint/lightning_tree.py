@@ -376,11 +376,13 @@ def publish(engine: ZeroEngine, module: nn.Module) -> None:
 
 
 def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: str, *,
-                         storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                         storage_options: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
     """(every rank) Resume a fresh engine from a checkpoint of any mode, in one call: master weights,
     optimizer state and hyper-parameters, the model's weights and buffers. Returns the checkpoint's
-    other content (for a Lightning checkpoint: loops, callbacks, ...)."""
-    content = load_engine_state(engine, module, checkpoint_id, storage_options)
+    other content (for a Lightning checkpoint: loops, callbacks, ...). ``strict=False``: weights the
+    checkpoint lacks keep the module's values and the ones it holds in excess are ignored, with a
+    warning each (Lightning's ``strict_loading``)."""
+    content = load_engine_state(engine, module, checkpoint_id, storage_options, strict=strict)
     publish(engine, module)
     return content
 

@@ -102,8 +102,16 @@ def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any
 def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True) -> dict[str, Any]:
     """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
     if opened.mode == "full":
-        return full.read_full_checked(opened.loc)
+        content = full.read_full_checked(opened.loc)
+        # One file holding an engine tree whole (``save(zero_state_dict(...), mode="full")``, Fabric's
+        # ``full`` saves) reads as the other modes do; Lightning's own format is returned as it is.
+        return to_lightning(content, optimizer=optimizer) if is_engine_tree(content) else content
     return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer)
+
+
+def is_engine_tree(content: Any) -> bool:
+    """Whether a whole checkpoint is the tree of ``zero_state_dict`` (``model/...``), not Lightning's format."""
+    return isinstance(content, dict) and isinstance(content.get("model"), dict) and "state_dict" not in content
 
 
 def is_zero_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> bool:
