@@ -170,3 +170,19 @@ def test_strict_false_loads_a_checkpoint_with_only_some_weights(tmp_path: Path) 
             expected = saved[name] if name in saved else result["before"][name]
             assert torch.equal(value, expected.to(value.dtype)), f"rank {rank}: {name}"
         assert any(not torch.equal(result["before"][name], saved[name]) for name in saved)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lightning_zero_convert_writes_a_fabric_checkpoint_as_one_lightning_file(mode: str, directory: str,
+                                                                                tmp_path: Path) -> None:
+    """``convert`` reads what fabric.save wrote, in every mode (a ``full`` one holds the engine's tree), into
+    Lightning's single file: the weights saved, the optimizer state, Fabric's other values."""
+    from lightning_zero.checkpoint import convert
+
+    path, uninterrupted = saved(2, mode, directory)
+    out = convert(path, str(tmp_path / f"{mode}-converted.ckpt"))
+    content = torch.load(out, map_location="cpu", weights_only=True)
+    saved_params = uninterrupted[0]["saved_params"]
+    _equal({k: v for k, v in content["state_dict"].items() if k in saved_params}, saved_params, f"{mode} converted")
+    assert content["step"] == SAVE_AT and len(content["optimizer_states"]) == 1
+    assert content["optimizer_states"][0]["state"], "the converted file holds the optimizer state"
