@@ -357,14 +357,14 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
     save(engine_tree.zero_state_dict(engine, model), path, mode="local")
     saved = gather_full_state(engine)
     train(model, engine, range(1), rank, world_size)
-    real_write = file_io.torch_save_to
+    real_write = file_io.write_file
 
-    def full_disk(loc: Any, target: str, obj: Any, tuning: Any = None) -> None:
+    def full_disk(loc: Any, target: str, obj: Any, *args: Any) -> None:
         if rank == failing_rank:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(loc, target, obj)
+        real_write(loc, target, obj, *args)
 
-    file_io.torch_save_to = full_disk
+    file_io.write_file = full_disk
     try:
         async_save(engine_tree.zero_state_dict(engine, model), path, mode="local")
         error = None
@@ -373,7 +373,7 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
         except Exception as exc:  # noqa: BLE001 - reported to the test
             error = f"{type(exc).__name__}: {exc}"
     finally:
-        file_io.torch_save_to = real_write
+        file_io.write_file = real_write
     fresh_model, fresh = build(rank, world_size, perturb=1.0)
     load_into(fresh, fresh_model, path, saved["state"])
     return {"error": error, "saved": saved, "loaded": gather_full_state(fresh)}

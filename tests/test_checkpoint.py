@@ -137,7 +137,7 @@ class Gate:
 def test_async_save_returns_before_the_data_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        mode: str) -> None:
     gate = Gate()
-    monkeypatch.setattr(file_io, "torch_save_to", gate.wrap(file_io.torch_save_to))
+    monkeypatch.setattr(file_io, "write_file", gate.wrap(file_io.write_file))
     path = tmp_path / "ckpt"
     async_save(small_tree(1.0), str(path), mode=mode)
     assert gate.entered.wait(10)
@@ -168,7 +168,7 @@ def test_wait_for_staging_blocks_until_the_tensors_are_copied(tmp_path: Path, mo
 def test_tensors_changed_after_staging_do_not_reach_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    mode: str) -> None:
     gate = Gate()
-    monkeypatch.setattr(file_io, "torch_save_to", gate.wrap(file_io.torch_save_to))
+    monkeypatch.setattr(file_io, "write_file", gate.wrap(file_io.write_file))
     tree = small_tree(1.0)
     async_save(tree, str(tmp_path / "ckpt"), mode=mode)
     wait_for_staging()  # returns although the writer is still held
@@ -184,7 +184,7 @@ def test_tensors_changed_after_staging_do_not_reach_the_checkpoint(tmp_path: Pat
 
 def test_a_second_save_finalizes_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate()
-    monkeypatch.setattr(file_io, "torch_save_to", gate.wrap(file_io.torch_save_to))
+    monkeypatch.setattr(file_io, "write_file", gate.wrap(file_io.write_file))
     async_save(small_tree(1.0), str(tmp_path / "first"), mode="local")
     second = threading.Thread(target=async_save, args=(small_tree(2.0), str(tmp_path / "second")),
                               kwargs={"mode": "local"})
@@ -204,7 +204,7 @@ def test_remove_queued_during_a_save_runs_after_its_commit(tmp_path: Path, monke
     old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
     save(small_tree(1.0), str(old), mode="local")
     gate = Gate()
-    monkeypatch.setattr(file_io, "torch_save_to", gate.wrap(file_io.torch_save_to))
+    monkeypatch.setattr(file_io, "write_file", gate.wrap(file_io.write_file))
     async_save(small_tree(2.0), str(new), mode="local")
     remove(str(old))  # what ModelCheckpoint does right after starting the newer save
     time.sleep(0.2)

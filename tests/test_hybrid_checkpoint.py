@@ -174,7 +174,7 @@ def test_convert_reads_a_2x2_checkpoint_in_one_process(root: str, mode: str) -> 
     out = folder / f"converted-{mode}.ckpt"
     convert(str(folder / f"{mode}.ckpt"), str(out))
     content = torch.load(out, weights_only=True)
-    # A functional-API tree saved whole ('full') keeps its own layout; the others become Lightning's.
-    weights = content["model"] if mode == "full" else content["state_dict"]
+    # Every mode becomes Lightning's format, a functional-API tree saved whole ('full') too.
+    weights = content["state_dict"]
     for fqn, value in expected["master"].items():
         assert torch.equal(weights[fqn].float(), value), f"{mode}: {fqn}"

@@ -65,11 +65,17 @@ def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning =
     Object stores: one multipart upload that completes at close; a partial upload left by a failure
     is never referenced (the marker is written last).
     """
+    if loc.is_local and whole:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        storage.replace_whole(path, lambda tmp: write_file(loc, tmp, obj, tuning))
+        return
+    write_file(loc, path, obj, tuning)
+
+
+def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
+    """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`)."""
     if loc.is_local:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if whole:
-            storage.replace_whole(path, lambda tmp: torch_save_to(loc, tmp, obj, tuning))
-            return
         with open(path, "wb") as f:
             stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind)  # [Note: early writeback]
             _save_keeping_write_errors(obj, stream)

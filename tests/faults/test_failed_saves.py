@@ -56,7 +56,7 @@ def loaded_value(path: Path) -> float:
 def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """The next write fails like a full disk: part of the file is written, then ENOSPC."""
 
-    def partial_write(loc: Any, path: str, obj: Any, tuning: Any = None) -> None:
+    def partial_write(loc: Any, path: str, obj: Any, *args: Any) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(b"PK\x03\x04 partial")
@@ -68,7 +68,7 @@ def fill_disk(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
 
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
     else:
-        monkeypatch.setattr(file_io, "torch_save_to", partial_write)
+        monkeypatch.setattr(file_io, "write_file", partial_write)
 
 
 def files(root: Path) -> list[str]:
