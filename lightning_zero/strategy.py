@@ -423,7 +423,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
             called = time.perf_counter()
             io.save_checkpoint(lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
                                storage_options)
-            io.note_blocked(time.perf_counter() - called)  # building the tree included
+            if io.mode == "full":
+                # A full file holds the module's own parameters, which the hooks that run before the next
+                # step may change in place (SWA puts its average in at train end): its copy ends here.
+                # local/sharded hold the masters, which only the fenced update changes.
+                io.wait_for_staging()
+            io.note_blocked(time.perf_counter() - called)  # building the tree (and a full save's copy) included
             if not self._engine_live:
                 io.finalize()
             return
