@@ -126,9 +126,3 @@ def read_full_checked(loc: Location) -> Any:
     if found is not None:  # files written by other tools (plain Lightning, convert) carry no header
         integrity.verify(content, found, loc.path, loc.url)
     return content
-
-
-def read_full(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole content of a ``full`` checkpoint file (``weights_only=True``, checksums verified)."""
-    return read_full_checked(storage.resolve(checkpoint_id, storage_options))
-
