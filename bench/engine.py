@@ -306,7 +306,7 @@ class ZeroMethod(Method):
 
     def grad_bytes(self) -> int:
         # fp32 shard gradients (padding included) plus any full gradient still alive.
-        return tensor_bytes([b.grad_shard for b in self.engine.buckets]) + super().grad_bytes()
+        return tensor_bytes([b.grad_shard for b in self.engine.buckets if b.holds_grad_shard]) + super().grad_bytes()
 
     def shard_numel(self) -> int:
         return self.engine.optimizer_shard_numel

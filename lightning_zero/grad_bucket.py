@@ -26,6 +26,18 @@ see only zeros), and :meth:`PresenceCounts.resolve` reads the counts once per st
 at the step, and takes ``.grad`` away from parameters no rank produced a gradient for, before the
 inner optimizer looks at them.
 
+[Note: gradient shards between steps] A bucket's fp32 gradient shard (``4 Psi / N`` bytes over the
+model) is needed from the first reduction of a backward until the step has read it; DeepSpeed's ZeRO-2
+frees its gradient partitions after the step, so between steps it holds the parameters, the master
+shard and the optimizer state only. So does this engine: ``zero_grad(set_to_none=True)`` releases
+the shard (:meth:`GradBucket.release_grad_shard`) and the first reduction after it writes a new one
+(:meth:`GradBucket._fold_into_grad_shard`: copy and scale, the same values as adding to zeros).
+Gradient accumulation is untouched (no ``zero_grad`` between micro-batches, so each reduction adds
+to the shard held), and so is a loop that never calls ``zero_grad`` (the shard keeps accumulating
+across steps, as ``.grad`` does). ``zero_grad(set_to_none=False)`` zeroes the storage and keeps it,
+as PyTorch keeps ``.grad`` then. On CUDA the caching allocator gives the block back at no cost; on
+CPU the new allocation costs page faults (BENCHMARKS.md measures them against the step).
+
 [Note: hybrid reduction] With a shard group smaller than the world (``shard_group_size``), a
 bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: the reduce-scatter
 (or gloo's in-place all-reduce) within the shard group leaves this rank's row summed over its
@@ -72,7 +84,6 @@ class ShardedParam:
         # 1D views into the bucket's flat buffers, real elements only (the padding is not
         # the optimizer's business and is never written).
         self.master = nn.Parameter(bucket.master_shard[offset : offset + n])
-        self.grad_shard = bucket.grad_shard[offset : offset + n]
         self.has_grad = False  # some rank produced a gradient since the last zero_grad (host view)
         self.reported = False  # this rank's hook fired in the current backward
         # Stepped on the whole parameter ([Note: whole-matrix step] in whole_step.py); then the state
@@ -116,6 +127,12 @@ class ShardedParam:
     @property
     def shard_numel(self) -> int:
         return self.master.numel()
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """1D view: this parameter's reduced fp32 gradient shard, in its bucket's flat buffer (taken, as
+        zeros, if the bucket holds none: [Note: gradient shards between steps])."""
+        return self.bucket.grad_shard[self.offset : self.offset + self.shard_numel]
 
     @property
     def present_count(self) -> Tensor:
@@ -195,7 +212,8 @@ class GradBucket:
         self.row_numel = sum(shard.chunk for shard in shards)
         master_dtype = master_dtype_for(self.dtype)
         self.master_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
-        self.grad_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
+        # 1D, master dtype; None between steps ([Note: gradient shards between steps]).
+        self._grad_shard: Tensor | None = None
         self.params = [
             ShardedParam(fqn, param, shard, self.rank, self, offset, j)
             for j, ((fqn, param), shard, offset) in enumerate(zip(named_params, shards, offsets))
@@ -205,6 +223,36 @@ class GradBucket:
             else torch.zeros(len(self.params), dtype=torch.float32, device=self.device)  # 1D
         self.reported = 0
         self.pending: PendingReduce | None = None
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's reduced gradient shard of the whole bucket (1D, master dtype), taken as zeros
+        when none is held ([Note: gradient shards between steps])."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros_like(self.master_shard)
+        return self._grad_shard
+
+    @property
+    def holds_grad_shard(self) -> bool:
+        """Whether the gradient shard's storage is allocated now (what the memory checks read)."""
+        return self._grad_shard is not None
+
+    def release_grad_shard(self) -> None:
+        """Free the gradient shard's storage (``zero_grad``): the next reduction takes it again.
+        Callers drop every ``master.grad`` view of it too, or the storage would stay alive."""
+        self._grad_shard = None
+
+    def _fold_into_grad_shard(self, reduced: Tensor, scale: float) -> None:
+        """Add a reduced row's chunks (``scale``-averaged) to the gradient shard; the first reduction
+        since a release writes it (copy and scale: the same values as adding to zeros, one pass less)."""
+        if self._grad_shard is None:
+            shard = torch.empty_like(self.master_shard)
+            shard.copy_(reduced)
+            if scale != 1.0:
+                shard.mul_(scale)
+            self._grad_shard = shard
+        else:
+            self._grad_shard.add_(reduced, alpha=scale)
 
     @property
     def reduce_numel(self) -> int:
@@ -292,7 +340,7 @@ class GradBucket:
         pending, self.pending = self.pending, None
         comm.wait(pending.work)  # bounded: see [Note: bounded waits] in _collectives.py
         scale = 1.0 if self.predivide or self.average_over == 1 else 1.0 / self.average_over
-        self.grad_shard.add_(pending.output[: self.row_numel], alpha=scale)
+        self._fold_into_grad_shard(pending.output[: self.row_numel], scale)
         self.present_count.add_(pending.output[self.row_numel :])
         if full_gradients:
             assert pending.rows is not None, "full gradients need the all-reduced rows"

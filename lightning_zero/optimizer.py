@@ -254,18 +254,26 @@ class ZeroOptimizer(Optimizer):
             torch._foreach_clamp_max_(grads, clip_value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients: full ones not yet reduced and the reduced shards."""
-        # Presence counts of a backward no step consumed go too (they live on the device).
-        for bucket in self._whole_buckets:
-            bucket.grad_shard.zero_()
-            bucket.present_count.zero_()
-        for sp in self._partial:
-            sp.grad_shard.zero_()
-            sp.present_count.zero_()
+        """Forget accumulated gradients: full ones not yet reduced and the reduced shards. With
+        ``set_to_none`` (the default) the shards' storage is freed until the next backward reduces
+        into it ([Note: gradient shards between steps] in grad_bucket.py); otherwise it is zeroed
+        and kept. Either way no parameter has a ``.grad`` until the next backward."""
         for sp in self.sharded_params:
             sp.param.grad = None
-            sp.master.grad = None
+            sp.master.grad = None  # a view of the bucket's shard: dropped before the shard is freed
             sp.has_grad = False
+        # Presence counts of a backward no step consumed go too (they live on the device).
+        for bucket in self._whole_buckets:
+            if set_to_none:
+                bucket.release_grad_shard()
+            elif bucket.holds_grad_shard:
+                bucket.grad_shard.zero_()
+            bucket.present_count.zero_()
+        for sp in self._partial:
+            # A bucket shared with another optimizer keeps its storage: that one's shards live in it.
+            if sp.bucket.holds_grad_shard:
+                sp.grad_shard.zero_()
+            sp.present_count.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, in the inner optimizer's format."""

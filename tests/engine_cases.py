@@ -67,6 +67,10 @@ class Case:
     """(step, micro) pairs whose global batch makes *no* slice take ``Net.branch``."""
     branch_slices: tuple[int, ...] | None = None
     """If set, exactly these slices (ranks) take ``Net.branch`` in every batch not in ``skip_branch_at``."""
+    zero_grad_every: int = 1
+    """``zero_grad`` before every n-th step only: the gradients of the steps between accumulate, as in PyTorch."""
+    set_to_none: bool = True
+    """The engine's ``zero_grad(set_to_none=...)`` (the reference's is always True: no ``.grad`` after it either way)."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -128,7 +132,8 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
-        opt.zero_grad()
+        if step % case.zero_grad_every == 0:
+            opt.zero_grad(set_to_none=case.set_to_none)
         for micro in range(case.accumulate):
             x, y = case_batch(case, step, micro, world_size)
             xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -169,7 +174,8 @@ def run_reference_with_state(world_size: int, case: Case) -> tuple[dict[str, tor
     opt = make_optimizer(case.optimizer, model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
-        opt.zero_grad()
+        if step % case.zero_grad_every == 0:
+            opt.zero_grad()
         for micro in range(case.accumulate):
             x, y = case_batch(case, step, micro, world_size)
             loss = sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True))
@@ -586,3 +592,61 @@ def deep_early_exit_reference(world_size: int, steps: int) -> tuple[dict[str, to
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+
+def live_storage_bytes(exclude: list[torch.Tensor]) -> dict[int, int]:
+    """Every CPU tensor storage Python can reach (data pointer -> bytes), less those of ``exclude``."""
+    import gc
+    import warnings
+
+    gc.collect()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    found: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # isinstance on torch.distributed's deprecated aliases
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip and storage.nbytes():
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none: bool,
+                             steps: int = 3) -> dict[str, Any]:
+    """Every tensor storage alive after each ``zero_grad`` (the model's own parameters and buffers
+    aside) against what ZeRO says a rank holds between steps: master shards and optimizer state.
+    Four 64x64 layers in buckets of one layer each (about 33 KB of gradient shard per rank at 2 ranks,
+    far above the few bytes of scalars torch keeps for itself)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage, bucket_size_mb=0.02))
+    opt = engine.optimizers[0]
+    own = [*model.parameters(), *model.buffers()]
+    between: list[dict[str, Any]] = []
+    for step in range(steps):
+        x, y = (torch.randn(8, 64, generator=torch.Generator().manual_seed(step * world_size + rank))
+                for _ in range(2))
+        F.mse_loss(model(x), y).backward()
+        engine.ensure_flushed()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        engine.finish_param_gather()
+        del x, y
+        live = live_storage_bytes(own)
+        masters = {b.master_shard.untyped_storage().data_ptr() for b in engine.buckets}
+        state = {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)}
+        presence = {v.untyped_storage().data_ptr() for v in engine.reducer.presence._vectors.values()}
+        expected = masters | state | presence
+        between.append({
+            "unexpected_bytes": sum(n for ptr, n in live.items() if ptr not in expected),
+            "missing": len(expected - set(live)),
+            "grad_shards_held": sum(b.holds_grad_shard for b in engine.buckets),
+            "grad_shard_bytes": sum(b.master_shard.nbytes for b in engine.buckets if b.communicates),
+            "buckets": len(engine.buckets),
+        })
+    engine.close()
+    return {"between": between}

@@ -54,6 +54,10 @@ CASES: dict[str, Case] = {
     **_both_stages("gather-in-pieces", Case(optimizer="adam", gather_piece_numel=40)),
     **_both_stages("reduce-float64", Case(optimizer="adam", reduce_dtype="float64", accumulate=2)),
     **_both_stages("one-bucket", Case(bucket_size_mb=64.0)),
+    # Gradient shards are freed by zero_grad and taken again by the next reduction ([Note: gradient
+    # shards between steps]): steps without zero_grad must still add to what the last one left.
+    **_both_stages("zero-grad-every-other-step", Case(optimizer="sgd", accumulate=2, zero_grad_every=2)),
+    **_both_stages("zero-grad-keeps-storage", Case(set_to_none=False, clip_norm=0.05)),
     **_both_stages("everything", Case(optimizer="adam", accumulate=2, clip_norm=0.05, scheduler=True)),
 }
 

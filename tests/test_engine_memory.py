@@ -1,6 +1,7 @@
 """Bounded memory of the engine's communication: at most MAX_IN_FLIGHT full-size bucket
 buffers, shared by the reductions of a backward and the gathers of its step, and none kept
-between steps ([Note: pool between steps] in comm_pool.py).
+between steps ([Note: pool between steps] in comm_pool.py); and between steps, nothing but the
+master shards and the optimizer state ([Note: gradient shards between steps] in grad_bucket.py).
 
 Before this bound, every bucket's gathered buffer lived until the last gather finished: the
 step's peak grew by a whole copy of the parameters. The collectives are watched directly (which
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from _dist import run_distributed
-from engine_cases import run_memory_bounds
+from engine_cases import run_memory_between_steps, run_memory_bounds
 
 from lightning_zero.comm_pool import MAX_IN_FLIGHT
 
@@ -50,6 +51,38 @@ def test_no_communication_buffer_stays_allocated_between_steps(stage: int) -> No
     # its model states only (it kept MAX_IN_FLIGHT largest buckets, more than DDP at 2 ranks).
     for result in results(stage):
         assert result["pool_bytes_between_steps"] == [0] * len(result["pool_bytes"]), result
+
+
+@functools.cache
+def between_steps(stage: int, set_to_none: bool) -> list[dict[str, Any]]:
+    return run_distributed(run_memory_between_steps, WORLD_SIZE, stage, set_to_none, start_method="forkserver")
+
+
+TORCH_SCALARS_BYTES = 64
+"""What Python can reach besides the engine's and the model's tensors: a few 0-dim tensors torch keeps."""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_between_steps_a_rank_holds_only_master_shards_and_optimizer_state(stage: int) -> None:
+    # Every tensor storage Python can reach, counted from the storages themselves after zero_grad:
+    # no gradient shard (4 Psi / N, what DeepSpeed's ZeRO-2 frees after its step too) and no
+    # communication slot; the master shards and AdamW's moments are all there.
+    for result in between_steps(stage, True):
+        for step in result["between"]:
+            assert step["grad_shards_held"] == 0, step
+            assert step["missing"] == 0, step
+            assert step["unexpected_bytes"] <= TORCH_SCALARS_BYTES < step["grad_shard_bytes"] // 100, step
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_keeping_storage_keeps_exactly_the_gradient_shards(stage: int) -> None:
+    # set_to_none=False keeps the zeroed shards (as PyTorch keeps .grad), and nothing else: the same
+    # count finds them, so it would find them after a set_to_none=True that failed to free them.
+    for result in between_steps(stage, False):
+        for step in result["between"]:
+            assert step["grad_shards_held"] == step["buckets"], step
+            extra = step["unexpected_bytes"] - step["grad_shard_bytes"]
+            assert 0 <= extra <= TORCH_SCALARS_BYTES, step
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
