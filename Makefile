@@ -53,6 +53,7 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 bench-peers: install
 	DS_BUILD_OPS=0 $(PIP) install -q --target $(PEERS_DIR) --no-deps "$(DEEPSPEED_SPEC)" hjson py-cpuinfo ninja msgpack einops
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/engine.py --peers --methods ddp zero1 zero2 deepspeed_zero1 deepspeed_zero2
+	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/checkpoint.py --peers
 
 lint: install
 	$(VENV)/bin/ruff check .

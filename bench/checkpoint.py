@@ -802,6 +802,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hybrid", action="store_true",
                         help="only: sharded saves of a 2 x 2 hybrid engine (shard_group_size=2) and a flat one at"
                              " 4 ranks: bytes per rank and write rate (64 MiB, 3 repeats)")
+    parser.add_argument("--peers", action="store_true",
+                        help="only: our sharded async save beside DeepSpeed ZeRO-2's save_checkpoint (64 MiB, 3 repeats;"
+                             " DeepSpeed from make bench-peers, see bench/checkpoint_peers.py)")
     parser.add_argument("--integrity", action="store_true",
                         help="only the cost of the checksums: save/load rate with and without (128 MiB, 3 repeats)")
     return parser.parse_args(argv)
@@ -814,6 +817,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.hybrid:
         main_hybrid(args, argv)
+        return
+    if args.peers:
+        from checkpoint_peers import main_peers
+
+        main_peers(args, argv)
         return
     args.out = args.out or OUT_DIR / "checkpoint.md"
     size_mb = args.size_mb or (64 if args.quick else 512)

@@ -74,13 +74,18 @@ METHODS = ("ddp", "zero1", "zero2", "ddp+zero_redundancy", "fsdp_shard_grad_op")
 HYBRID_SHARD_GROUP_SIZE = 2
 HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
 """ZeRO-2 sharded within groups of 2 ranks, replicated across them (``shard_group_size=2``)."""
+GRADS_KEPT = "zero2_grads_kept"
+"""ZeRO-2 with ``zero_grad(set_to_none=False)``: the gradient shards stay allocated between steps (an
+A/B row, only with ``--methods``: what freeing them costs in step time, [Note: gradient shards
+between steps] in grad_bucket.py)."""
 
 
 def methods_for(world_size: int, selected: Sequence[str] = (), peers: bool = False) -> tuple[str, ...]:
     """The hybrid row only where it differs from flat zero2: 2+ shard groups of 2 (world size 4: 2 x 2).
     ``selected``: only these (all when empty); ``peers``: with DeepSpeed's rows."""
     hybrid = world_size > HYBRID_SHARD_GROUP_SIZE and world_size % HYBRID_SHARD_GROUP_SIZE == 0
-    names = METHODS + ((HYBRID,) if hybrid else ()) + (PEERS if peers else ())
+    names = METHODS + ((HYBRID,) if hybrid else ()) + ((GRADS_KEPT,) if GRADS_KEPT in selected else ()) \
+        + (PEERS if peers else ())
     return tuple(n for n in names if not selected or n in selected)
 PHASES = ("forward", "backward", "step", "zero_grad", "drain")
 """Per step; *drain*: finishing, at the end of a turn, what the turn's steps left running."""
@@ -267,8 +272,10 @@ class Method:
 class ZeroMethod(Method):
     keeps_fp32_master = True
 
-    def __init__(self, model: GPT, settings: BenchSettings, stage: int, shard_group_size: int | None = None) -> None:
-        self.name = f"zero{stage}" + (f"_hybrid{shard_group_size}" if shard_group_size else "")
+    def __init__(self, model: GPT, settings: BenchSettings, stage: int, shard_group_size: int | None = None,
+                 keep_grads: bool = False) -> None:
+        self.name = GRADS_KEPT if keep_grads else f"zero{stage}" + (f"_hybrid{shard_group_size}" if shard_group_size else "")
+        self.keep_grads = keep_grads
         inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
                             overlap_param_gather=True, shard_group_size=shard_group_size)
@@ -277,6 +284,9 @@ class ZeroMethod(Method):
 
     def flush(self) -> None:
         self.engine.ensure_flushed()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
 
     def finish(self) -> None:
         self.engine.finish_param_gather()
@@ -415,6 +425,7 @@ def build_method(name: str, settings: BenchSettings) -> Method:
         "zero1": lambda: ZeroMethod(model, settings, stage=1),
         "zero2": lambda: ZeroMethod(model, settings, stage=2),
         HYBRID: lambda: ZeroMethod(model, settings, stage=2, shard_group_size=HYBRID_SHARD_GROUP_SIZE),
+        GRADS_KEPT: lambda: ZeroMethod(model, settings, stage=2, keep_grads=True),
         "ddp+zero_redundancy": lambda: ZeroRedundancyMethod(model, settings),
         "fsdp_shard_grad_op": lambda: FSDPMethod(model, settings),
         "deepspeed_zero1": lambda: DeepSpeedMethod(model, settings, stage=1),
@@ -653,13 +664,14 @@ MODEL_STATE_FORMULA = {
     "zero2": (4, 4 + 8 + 4),  # P_os+g
     "fsdp_shard_grad_op": (4, 4 + 8),  # P_os+g (full parameters only from forward to backward)
     HYBRID: (4, 4 + 8 + 4),  # zero2's, divided over the shard group only (see formula_bytes)
+    GRADS_KEPT: (4, 4 + 8 + 4),
     "deepspeed_zero1": (4 + 4, 8 + 4),  # as zero1: DeepSpeed keeps an fp32 partition too
     "deepspeed_zero2": (4, 4 + 8 + 4),
 }
 FORMULA_TEXT = {
     "ddp": "(4+4+8)Ψ", "ddp+zero_redundancy": "(4+4)Ψ + 8Ψ/N", "zero1": "(4+4)Ψ + 12Ψ/N",
     "zero2": "4Ψ + 16Ψ/N", "fsdp_shard_grad_op": "4Ψ + 12Ψ/N",
-    HYBRID: f"4Ψ + 16Ψ/{HYBRID_SHARD_GROUP_SIZE}",
+    HYBRID: f"4Ψ + 16Ψ/{HYBRID_SHARD_GROUP_SIZE}", GRADS_KEPT: "4Ψ + 16Ψ/N",
     "deepspeed_zero1": "(4+4)Ψ + 12Ψ/N", "deepspeed_zero2": "4Ψ + 16Ψ/N",
 }
 
@@ -758,6 +770,12 @@ def resident_checks(by_name: dict[str, MethodResult]) -> list[Check]:
             " formula", ratio <= MAX_RESIDENT_VS_FORMULA,
             f"{ratio:.2f}x: {max(r.resident_bytes) / MIB:.1f} MiB for {formula / MIB:.1f} MiB; DDP"
             f" {max(ddp.resident_bytes) / MIB:.1f} MiB"))
+        peer = by_name.get(f"deepspeed_{name}")
+        if peer is not None:
+            checks.append(Check(
+                f"ws={r.world_size} {name}: resident per rank between steps at or below {peer.method}'s",
+                max(r.resident_bytes) <= max(peer.resident_bytes),
+                f"{max(r.resident_bytes) / MIB:.1f} MiB vs {max(peer.resident_bytes) / MIB:.1f} MiB"))
     return checks
 
 
@@ -976,7 +994,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"consecutive steps of one method per turn (default {FULL.steps_per_turn})")
     parser.add_argument("--peers", action="store_true",
                         help="add DeepSpeed ZeRO-1/2 rows (DS_ACCELERATOR=cpu; see make bench-peers)")
-    parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID, *PEERS), default=None,
+    parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID, GRADS_KEPT, *PEERS), default=None,
                         help="run only these (ddp is always added: the ratios are to it)")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
     args = parser.parse_args(argv)
@@ -1001,6 +1019,15 @@ def hybrid_comparison(by_name: dict[str, MethodResult]) -> str:
             f" {max(hybrid.state_bytes) / MIB:.2f} MiB vs zero2 {max(zero2.state_bytes) / MIB:.2f} MiB; loss"
             f" {hybrid.final_loss:.5f} vs {zero2.final_loss:.5f} (gloo: both hops are all-reduces, see"
             " [Note: gloo reduce-scatter])")
+
+
+def grads_kept_comparison(by_name: dict[str, MethodResult]) -> str:
+    """What freeing the gradient shards at ``zero_grad`` costs: zero2 against itself with them kept."""
+    kept, zero2 = by_name[GRADS_KEPT], by_name["zero2"]
+    return (f"- info: ws={zero2.world_size} zero2 (gradient shards freed at zero_grad) vs {GRADS_KEPT}"
+            f" (set_to_none=False) paired {paired_ratio(zero2, kept):.3f}x; backward {zero2.phase_ms['backward']:.1f}"
+            f" vs {kept.phase_ms['backward']:.1f} ms; resident {max(zero2.resident_bytes) / MIB:.1f} vs"
+            f" {max(kept.resident_bytes) / MIB:.1f} MiB")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -1040,6 +1067,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             infos.append(stage_comparison(by_name))
         if HYBRID in by_name:
             infos.append(hybrid_comparison(by_name))
+        if GRADS_KEPT in by_name and "zero2" in by_name:
+            infos.append(grads_kept_comparison(by_name))
     loads.append(load_average())
     text = report(settings, results, checks, infos,
                   header(settings, command, time.perf_counter() - start, loads), args.world_sizes)

@@ -72,3 +72,21 @@ def test_deepspeed_rows_are_optional() -> None:
     assert not set(bench.PEERS) & set(bench.methods_for(4))
     assert set(bench.PEERS) <= set(bench.methods_for(4, peers=True))
     assert bench.methods_for(2, ("ddp", "zero2"), peers=True) == ("ddp", "zero2")
+
+
+def test_resident_memory_is_checked_against_deepspeed_when_its_rows_ran() -> None:
+    bench = _bench_module()
+    mib = 1024 * 1024
+
+    def row(method: str, resident_mib: float) -> Any:
+        return bench.MethodResult(
+            world_size=2, method=method, step_ms_rounds=[1.0], phase_ms={}, state_bytes=[], master_bytes=[],
+            grad_bytes=[], shard_numel=[], final_loss=0.0, resident_bytes=[int(resident_mib * mib)] * 2,
+            phase_peak_bytes={}, param_bytes=40 * mib, unsharded_state_bytes=0, leftover_turns=0)
+
+    without = {"ddp": row("ddp", 180), "zero2": row("zero2", 110)}
+    assert not any("deepspeed" in c.target for c in bench.resident_checks(without))
+    for ours, theirs, passed in ((110, 143, True), (126, 100, False)):
+        by_name = {**without, "zero2": row("zero2", ours), "deepspeed_zero2": row("deepspeed_zero2", theirs)}
+        [check] = [c for c in bench.resident_checks(by_name) if "deepspeed_zero2" in c.target]
+        assert check.passed is passed, check
