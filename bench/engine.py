@@ -75,7 +75,7 @@ HYBRID_SHARD_GROUP_SIZE = 2
 HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
 """ZeRO-2 sharded within groups of 2 ranks, replicated across them (``shard_group_size=2``)."""
 GRADS_KEPT = "zero2_grads_kept"
-"""ZeRO-2 with ``zero_grad(set_to_none=False)``: the gradient shards stay allocated between steps (an
+"""ZeRO-2 with ``release_grad_shards=False``: the gradient shards stay allocated between steps (an
 A/B row, only with ``--methods``: what freeing them costs in step time, [Note: gradient shards
 between steps] in grad_bucket.py)."""
 
@@ -275,18 +275,15 @@ class ZeroMethod(Method):
     def __init__(self, model: GPT, settings: BenchSettings, stage: int, shard_group_size: int | None = None,
                  keep_grads: bool = False) -> None:
         self.name = GRADS_KEPT if keep_grads else f"zero{stage}" + (f"_hybrid{shard_group_size}" if shard_group_size else "")
-        self.keep_grads = keep_grads
         inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
-                            overlap_param_gather=True, shard_group_size=shard_group_size)
+                            overlap_param_gather=True, shard_group_size=shard_group_size,
+                            release_grad_shards=not keep_grads)
         self.engine = ZeroEngine(model, [inner], config)
         super().__init__(model, self.engine.optimizers[0])
 
     def flush(self) -> None:
         self.engine.ensure_flushed()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
 
     def finish(self) -> None:
         self.engine.finish_param_gather()
@@ -1025,7 +1022,7 @@ def grads_kept_comparison(by_name: dict[str, MethodResult]) -> str:
     """What freeing the gradient shards at ``zero_grad`` costs: zero2 against itself with them kept."""
     kept, zero2 = by_name[GRADS_KEPT], by_name["zero2"]
     return (f"- info: ws={zero2.world_size} zero2 (gradient shards freed at zero_grad) vs {GRADS_KEPT}"
-            f" (set_to_none=False) paired {paired_ratio(zero2, kept):.3f}x; backward {zero2.phase_ms['backward']:.1f}"
+            f" (release_grad_shards=False) paired {paired_ratio(zero2, kept):.3f}x; backward {zero2.phase_ms['backward']:.1f}"
             f" vs {kept.phase_ms['backward']:.1f} ms; resident {max(zero2.resident_bytes) / MIB:.1f} vs"
             f" {max(kept.resident_bytes) / MIB:.1f} MiB")
 

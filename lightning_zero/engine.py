@@ -86,6 +86,14 @@ class ZeroConfig:
     (DDP's memory for them). Stage 2 cannot keep them (its point is not to); both stages offer the
     norms (``ZeroEngine.grad_norms``) and clipping on the shards."""
 
+    release_grad_shards: bool = True
+    """``zero_grad()`` frees the fp32 gradient shards (``4 Psi / N`` bytes) until the next backward's first
+    reduction takes them again, so between steps a rank holds what DeepSpeed's ZeRO-2 holds: parameters,
+    master shards, optimizer state ([Note: gradient shards between steps] in grad_bucket.py). Free on
+    CUDA (the caching allocator hands the block back); on CPU the new allocation can cost page faults
+    (BENCHMARKS.md: up to ~18 ms per 20 MiB on a loaded VM, ~6 ms with ``THP_MEM_ALLOC_ENABLE=1``).
+    False keeps them allocated (zeroed), as ``zero_grad(set_to_none=False)`` does for one call."""
+
     def __post_init__(self) -> None:
         validate_stage(self.stage)
         if self.full_gradients and self.stage != 1:
@@ -231,6 +239,7 @@ class ZeroEngine:
                     shape_aware=kind == "shape_aware",
                     whole_step_group_bytes=None if config.whole_step_group_mb is None
                     else int(config.whole_step_group_mb * _MB),
+                    release_grad_shards=config.release_grad_shards,
                 )
                 for opt, kind in zip(optimizers, kinds, strict=True)
             ]

@@ -35,8 +35,9 @@ the shard (:meth:`GradBucket.release_grad_shard`) and the first reduction after 
 Gradient accumulation is untouched (no ``zero_grad`` between micro-batches, so each reduction adds
 to the shard held), and so is a loop that never calls ``zero_grad`` (the shard keeps accumulating
 across steps, as ``.grad`` does). ``zero_grad(set_to_none=False)`` zeroes the storage and keeps it,
-as PyTorch keeps ``.grad`` then. On CUDA the caching allocator gives the block back at no cost; on
-CPU the new allocation costs page faults (BENCHMARKS.md measures them against the step).
+as PyTorch keeps ``.grad`` then, and ``ZeroConfig.release_grad_shards=False`` does so for every call.
+On CUDA the caching allocator gives the block back at no cost; on CPU the new allocation can cost
+page faults (BENCHMARKS.md measures them against the step).
 
 [Note: hybrid reduction] With a shard group smaller than the world (``shard_group_size``), a
 bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: the reduce-scatter

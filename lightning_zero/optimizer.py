@@ -45,7 +45,7 @@ class ZeroOptimizer(Optimizer):
     def __init__(self, inner: Optimizer, sharded_params: Sequence[ShardedParam],
                  group: dist.ProcessGroup | None, reducer: GradReducer, gatherer: ParamGatherer,
                  device: torch.device, overlap_param_gather: bool = True, shape_aware: bool = False,
-                 whole_step_group_bytes: int | None = None) -> None:
+                 whole_step_group_bytes: int | None = None, release_grad_shards: bool = True) -> None:
         if any(_has_stepped(entry) for entry in inner.state.values()):
             raise ValueError(
                 f"{type(inner).__name__} already holds optimizer state for {len(inner.state)} parameters."
@@ -60,6 +60,7 @@ class ZeroOptimizer(Optimizer):
         self._overlap_param_gather = overlap_param_gather
         self._shape_aware = shape_aware
         self._whole_step_group_bytes = whole_step_group_bytes
+        self._release_grad_shards = release_grad_shards  # ZeroConfig.release_grad_shards
         self.groups_changed: Callable[[], None] | None = None
         """Called after ``add_param_group`` during training: the engine rebuilds its buckets (ZeroEngine.rebuild)."""
         self.bind(sharded_params, reducer, gatherer)
@@ -255,16 +256,17 @@ class ZeroOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients: full ones not yet reduced and the reduced shards. With
-        ``set_to_none`` (the default) the shards' storage is freed until the next backward reduces
-        into it ([Note: gradient shards between steps] in grad_bucket.py); otherwise it is zeroed
-        and kept. Either way no parameter has a ``.grad`` until the next backward."""
+        ``set_to_none`` (the default) and ``ZeroConfig.release_grad_shards`` the shards' storage is
+        freed until the next backward reduces into it ([Note: gradient shards between steps] in
+        grad_bucket.py); otherwise it is zeroed and kept. Either way no parameter has a ``.grad``
+        until the next backward."""
         for sp in self.sharded_params:
             sp.param.grad = None
             sp.master.grad = None  # a view of the bucket's shard: dropped before the shard is freed
             sp.has_grad = False
         # Presence counts of a backward no step consumed go too (they live on the device).
         for bucket in self._whole_buckets:
-            if set_to_none:
+            if set_to_none and self._release_grad_shards:
                 bucket.release_grad_shard()
             elif bucket.holds_grad_shard:
                 bucket.grad_shard.zero_()

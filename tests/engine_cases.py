@@ -613,7 +613,7 @@ def live_storage_bytes(exclude: list[torch.Tensor]) -> dict[int, int]:
     return found
 
 
-def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none: bool,
+def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none: bool, release: bool = True,
                              steps: int = 3) -> dict[str, Any]:
     """Every tensor storage alive after each ``zero_grad`` (the model's own parameters and buffers
     aside) against what ZeRO says a rank holds between steps: master shards and optimizer state.
@@ -622,7 +622,7 @@ def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage, bucket_size_mb=0.02))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage, bucket_size_mb=0.02, release_grad_shards=release))
     opt = engine.optimizers[0]
     own = [*model.parameters(), *model.buffers()]
     between: list[dict[str, Any]] = []

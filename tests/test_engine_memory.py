@@ -54,8 +54,8 @@ def test_no_communication_buffer_stays_allocated_between_steps(stage: int) -> No
 
 
 @functools.cache
-def between_steps(stage: int, set_to_none: bool) -> list[dict[str, Any]]:
-    return run_distributed(run_memory_between_steps, WORLD_SIZE, stage, set_to_none, start_method="forkserver")
+def between_steps(stage: int, set_to_none: bool, release: bool = True) -> list[dict[str, Any]]:
+    return run_distributed(run_memory_between_steps, WORLD_SIZE, stage, set_to_none, release, start_method="forkserver")
 
 
 TORCH_SCALARS_BYTES = 64
@@ -74,11 +74,13 @@ def test_between_steps_a_rank_holds_only_master_shards_and_optimizer_state(stage
             assert step["unexpected_bytes"] <= TORCH_SCALARS_BYTES < step["grad_shard_bytes"] // 100, step
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_grad_keeping_storage_keeps_exactly_the_gradient_shards(stage: int) -> None:
-    # set_to_none=False keeps the zeroed shards (as PyTorch keeps .grad), and nothing else: the same
-    # count finds them, so it would find them after a set_to_none=True that failed to free them.
-    for result in between_steps(stage, False):
+@pytest.mark.parametrize(("stage", "set_to_none", "release"), [(1, False, True), (2, False, True), (2, True, False)])
+def test_zero_grad_keeping_storage_keeps_exactly_the_gradient_shards(stage: int, set_to_none: bool,
+                                                                     release: bool) -> None:
+    # set_to_none=False (as PyTorch keeps .grad) or ZeroConfig(release_grad_shards=False) keeps the zeroed
+    # shards, and nothing else: the same count finds them, so it would find them after a set_to_none=True
+    # that failed to free them.
+    for result in between_steps(stage, set_to_none, release):
         for step in result["between"]:
             assert step["grad_shards_held"] == step["buckets"], step
             extra = step["unexpected_bytes"] - step["grad_shard_bytes"]
