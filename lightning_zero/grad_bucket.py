@@ -37,7 +37,10 @@ to the shard held), and so is a loop that never calls ``zero_grad`` (the shard k
 across steps, as ``.grad`` does). ``zero_grad(set_to_none=False)`` zeroes the storage and keeps it,
 as PyTorch keeps ``.grad`` then, and ``ZeroConfig.release_grad_shards=False`` does so for every call.
 On CUDA the caching allocator gives the block back at no cost; on CPU the new allocation can cost
-page faults (BENCHMARKS.md measures them against the step).
+page faults (BENCHMARKS.md measures them against the step). Lightning's automatic optimization calls
+``zero_grad`` inside the next step's closure, after its ``training_step`` (forward) and before its
+backward, so under the Trainer the shards are freed from then until that backward's first reduction;
+a plain loop (and Fabric) that calls ``zero_grad`` after ``step`` frees them over the forward too.
 
 [Note: hybrid reduction] With a shard group smaller than the world (``shard_group_size``), a
 bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: the reduce-scatter
