@@ -90,9 +90,9 @@ class ZeroConfig:
     """``zero_grad()`` frees the fp32 gradient shards (``4 Psi / N`` bytes) until the next backward's first
     reduction takes them again, so between steps a rank holds what DeepSpeed's ZeRO-2 holds: parameters,
     master shards, optimizer state ([Note: gradient shards between steps] in grad_bucket.py). Free on
-    CUDA (the caching allocator hands the block back); on CPU the new allocation can cost page faults
-    (BENCHMARKS.md: up to ~18 ms per 20 MiB on a loaded VM, ~6 ms with ``THP_MEM_ALLOC_ENABLE=1``).
-    False keeps them allocated (zeroed), as ``zero_grad(set_to_none=False)`` does for one call."""
+    CUDA (the caching allocator hands the block back); on CPU the new allocation can cost page faults,
+    fewer with ``THP_MEM_ALLOC_ENABLE=1`` (BENCHMARKS.md measures both against the step). False keeps
+    them allocated (zeroed), as ``zero_grad(set_to_none=False)`` does for one call."""
 
     def __post_init__(self) -> None:
         validate_stage(self.stage)
