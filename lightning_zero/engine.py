@@ -33,12 +33,13 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
+from lightning_zero._compat import run_at_trace_time
 from lightning_zero.comm_pool import BufferPool
 from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.optimizer_kinds import optimizer_kind
-from lightning_zero.param_gather import ParamGatherer
+from lightning_zero.param_gather import ParamGatherer, compiled_read_traced
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 _MB = 1024 * 1024
@@ -209,8 +210,10 @@ class ZeroEngine:
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
         self.pool = BufferPool()
+        compiled = self.optimizers and self.gatherer.compiled  # a rebuild keeps it: the graphs stay cached
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
                                       background=config.overlap_param_gather and self.shard_size > 1)
+        self.gatherer.compiled = bool(compiled)
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
                                    self.pool, presence, before_first_reduction=self.finish_param_gather,
                                    replica_group=self.replica_group, full_gradients=config.full_gradients)
@@ -545,6 +548,9 @@ class _GuardedParameters(dict):  # type: ignore[type-arg]
         self._positions = positions  # name -> gather position of the parameter's bucket
 
     def __getitem__(self, name: str) -> nn.Parameter | None:
+        if torch.compiler.is_compiling():  # nothing the graph would be guarded on: [Note: compiled reads]
+            run_at_trace_time(compiled_read_traced)
+            return dict.__getitem__(self, name)
         gatherer = self._gatherer
         if gatherer.pending:
             gatherer.wait_for(self._positions.get(name, -1))
