@@ -1,0 +1,66 @@
+"""``trainer.fit(torch.compile(module))`` under zero1 and zero2 against ddp, 2 CPU processes: the same number
+of graphs as ddp (one), none compiled after the first step although the parameter gathers of each step
+overlap into the next ([Note: compiled reads] in param_gather.py), the weights of ddp bit for bit, and a
+resume from a compiled run's checkpoint that continues it exactly.
+
+Bit for bit, not within a tolerance: with 2 ranks every reduction adds the same two numbers (gloo's
+all-reduce under ddp, the reduce-scatter or all-reduce of the engine), and AdamW updates each element on
+its own, so the shards step exactly as the whole tensors do. A graph compiled from a stale parameter, or
+a forward reading one before its gather finished, would show up as a difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from compile_cases import fit
+
+pytestmark = pytest.mark.slow  # each fit compiles in two processes on shared cores: ~15 s
+
+STEPS = 4
+
+
+@functools.cache
+def fitted(strategy: str, backend: str = "eager") -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as root:
+        return run_distributed(fit, 2, strategy, root, STEPS, backend, start_method="forkserver")
+
+
+def _assert_same_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{what}: {name} differs by {(got[name] - value).abs().max()}"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_compiled_module_has_as_many_graphs_as_ddp_and_no_recompiles(strategy: str) -> None:
+    for rank, (zero, ddp) in enumerate(zip(fitted(strategy), fitted("ddp"), strict=True)):
+        assert ddp["graphs_after_step"] == [1] * STEPS, f"rank {rank}: ddp compiled {ddp['graphs_after_step']}"
+        assert zero["graphs_after_step"] == ddp["graphs_after_step"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_compiled_module_reaches_ddps_weights_bit_for_bit(strategy: str) -> None:
+    for rank, (zero, ddp) in enumerate(zip(fitted(strategy), fitted("ddp"), strict=True)):
+        _assert_same_params(zero["params"], ddp["params"], f"{strategy} rank {rank}")
+
+
+def test_compiled_module_equals_the_eager_run() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        eager = run_distributed(fit, 2, "zero2", root, STEPS, None, start_method="forkserver")
+    _assert_same_params(fitted("zero2")[0]["params"], eager[0]["params"], "compiled against eager")
+
+
+def test_resume_from_a_compiled_runs_checkpoint_continues_it_exactly(tmp_path: Path) -> None:
+    first = run_distributed(fit, 2, "zero2", str(tmp_path), STEPS, "eager", None, True, start_method="forkserver")
+    resumed = run_distributed(fit, 2, "zero2", str(tmp_path / "resume"), STEPS, "eager", None, False,
+                              str(tmp_path / "ckpts" / "epoch=0-step=2.ckpt"), start_method="forkserver")
+    for rank in range(2):
+        _assert_same_params(resumed[rank]["params"], first[rank]["params"], f"resumed rank {rank}")
+        assert resumed[rank]["graphs_after_step"] == [1] * (STEPS - 2), f"rank {rank}"
