@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
+from lightning_zero._compat import run_at_trace_time
 from lightning_zero.grad_bucket import GradBucket, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
@@ -122,6 +123,8 @@ class ZeroOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            run_at_trace_time(_refuse_compiled_step)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -308,3 +311,20 @@ def _shard_state(entry: dict[str, Any], sp: ShardedParam) -> dict[str, Any]:
     split = {key for key, value in entry.items() if is_split_state(key, value, sp.param.shape)}
     sp.split_state_keys = frozenset(split)
     return {key: sp.own_elements(value).clone() if key in split else value for key, value in entry.items()}
+
+
+def _refuse_compiled_step(_ctx: Any = None) -> None:
+    """(trace time) ``torch.compile`` is tracing :meth:`ZeroOptimizer.step`.
+
+    [Note: compiled optimizer step] The step around the user's optimizer waits for gathers on a thread,
+    launches collectives and calls hooks: compiled, it breaks into graphs guarded on that state, which
+    differs at each step, and its gathers would leave the compiled region. What a compiled step speeds up
+    is the user's optimizer over its tensors (one fused kernel per group instead of a loop), and that
+    part compiles unchanged: the user's optimizer steps the same master tensors every time."""
+    raise RuntimeError(
+        "torch.compile of ZeroOptimizer.step (the optimizer the engine or strategy hands back) is not supported:"
+        " it runs collectives, a gather thread and hooks. Compile your optimizer's own step instead, before"
+        " the engine gets it (`optimizer.step = torch.compile(optimizer.step)`, in configure_optimizers under"
+        " Lightning): the engine then steps its master shards through the compiled step. Or use foreach=True"
+        " / fused=True, which batch the update without compiling."
+    )

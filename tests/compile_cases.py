@@ -101,3 +101,49 @@ def fit(rank: int, world_size: int, strategy_name: str, root: str, steps: int, b
     trainer.fit(model, loader(2, 1, world_size), ckpt_path=ckpt_path)
     return {"graphs_after_step": count.after_step,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def loop_with_compiled_optimizer_step(rank: int, world_size: int, engine_name: str, steps: int) -> dict[str, Any]:
+    """A plain loop whose AdamW step is compiled (``optimizer.step = torch.compile(optimizer.step)``), under
+    DDP (``engine_name="ddp"``) or a stage-2 ``ZeroEngine`` stepping its master shards through it. The
+    graphs compiled after each step and the weights afterwards."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    GRAPHS.clear()
+    torch._dynamo.reset()
+    module = MLP()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+    optimizer.step = torch.compile(optimizer.step, backend=counting_backend("eager"))  # type: ignore[method-assign]
+    if engine_name == "ddp":
+        forward: Any = DistributedDataParallel(module)
+        stepper: Any = optimizer
+    else:
+        forward = module
+        stepper = ZeroEngine(module, [optimizer], ZeroConfig(stage=2, bucket_size_mb=0.0005)).optimizers[0]
+    after_step = []
+    for step in range(steps):
+        x, y = loader(steps, 1, world_size).dataset[step]
+        F.mse_loss(forward(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        stepper.step()
+        stepper.zero_grad()
+        after_step.append(len(GRAPHS))
+    return {"graphs_after_step": after_step, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def compile_zero_optimizer_step(rank: int, world_size: int) -> str:
+    """``torch.compile(zero_optimizer.step)``: the error it raises."""
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    module = MLP()
+    engine = ZeroEngine(module, [torch.optim.AdamW(module.parameters())], ZeroConfig(stage=2))
+    step = torch.compile(engine.optimizers[0].step, backend="eager")
+    module(torch.ones(2, 7)).sum().backward()
+    try:
+        step()
+    except Exception as error:  # what the user sees
+        return str(error)
+    finally:
+        engine.close()
+    return "no error"

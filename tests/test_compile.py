@@ -1,7 +1,10 @@
 """``trainer.fit(torch.compile(module))`` under zero1 and zero2 against ddp, 2 CPU processes: the same number
 of graphs as ddp (one), none compiled after the first step although the parameter gathers of each step
-overlap into the next ([Note: compiled reads] in param_gather.py), the weights of ddp bit for bit, and a
-resume from a compiled run's checkpoint that continues it exactly.
+overlap into the next ([Note: compiled reads] in param_gather.py), the weights of ddp bit for bit (with the
+"eager" backend, which counts graphs cheaply, and once with inductor), and a resume from a compiled run's
+checkpoint that continues it exactly. The optimizer's own step compiled (``optimizer.step =
+torch.compile(optimizer.step)``) steps the master shards in one graph, as it steps DDP's parameters;
+compiling the engine's ``ZeroOptimizer.step`` is refused ([Note: compiled optimizer step] in optimizer.py).
 
 Bit for bit, not within a tolerance: with 2 ranks every reduction adds the same two numbers (gloo's
 all-reduce under ddp, the reduce-scatter or all-reduce of the engine), and AdamW updates each element on
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from compile_cases import fit
+from compile_cases import compile_zero_optimizer_step, fit, loop_with_compiled_optimizer_step
 
 pytestmark = pytest.mark.slow  # each fit compiles in two processes on shared cores: ~15 s
 
@@ -51,6 +54,13 @@ def test_compiled_module_reaches_ddps_weights_bit_for_bit(strategy: str) -> None
         _assert_same_params(zero["params"], ddp["params"], f"{strategy} rank {rank}")
 
 
+def test_inductor_compiled_module_reaches_ddps_weights_bit_for_bit() -> None:
+    zero, ddp = fitted("zero2", "inductor"), fitted("ddp", "inductor")
+    for rank in range(2):
+        assert zero[rank]["graphs_after_step"] == ddp[rank]["graphs_after_step"] == [1] * STEPS
+        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"inductor rank {rank}")
+
+
 def test_compiled_module_equals_the_eager_run() -> None:
     with tempfile.TemporaryDirectory() as root:
         eager = run_distributed(fit, 2, "zero2", root, STEPS, None, start_method="forkserver")
@@ -64,3 +74,17 @@ def test_resume_from_a_compiled_runs_checkpoint_continues_it_exactly(tmp_path: P
     for rank in range(2):
         _assert_same_params(resumed[rank]["params"], first[rank]["params"], f"resumed rank {rank}")
         assert resumed[rank]["graphs_after_step"] == [1] * (STEPS - 2), f"rank {rank}"
+
+
+def test_a_compiled_optimizer_step_steps_the_shards_as_ddps_parameters_in_one_graph() -> None:
+    zero = run_distributed(loop_with_compiled_optimizer_step, 2, "zero2", STEPS, start_method="forkserver")
+    ddp = run_distributed(loop_with_compiled_optimizer_step, 2, "ddp", STEPS, start_method="forkserver")
+    for rank in range(2):
+        assert zero[rank]["graphs_after_step"] == ddp[rank]["graphs_after_step"] == [1] * STEPS, f"rank {rank}"
+        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"compiled step rank {rank}")
+
+
+def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> None:
+    for message in run_distributed(compile_zero_optimizer_step, 2, start_method="forkserver"):
+        assert "torch.compile of ZeroOptimizer.step" in message
+        assert "optimizer.step = torch.compile(optimizer.step)" in message
