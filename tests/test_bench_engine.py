@@ -72,3 +72,17 @@ def test_deepspeed_rows_are_optional() -> None:
     assert not set(bench.PEERS) & set(bench.methods_for(4))
     assert set(bench.PEERS) <= set(bench.methods_for(4, peers=True))
     assert bench.methods_for(2, ("ddp", "zero2"), peers=True) == ("ddp", "zero2")
+
+
+def test_muon_rows_run_the_methods_that_can_step_muon_and_refuse_the_others() -> None:
+    import dataclasses
+
+    import pytest
+
+    bench = _bench_module()
+    assert bench.parse_args(["--optimizer", "muon"]).methods == list(bench.MUON_METHODS)
+    settings = dataclasses.replace(bench.QUICK, optimizer="muon")
+    with pytest.raises(ValueError, match="--optimizer muon runs ddp, zero1, zero2"):
+        bench.build_method("fsdp_shard_grad_op", settings)
+    names = [type(o).__name__ for o in bench.make_optimizers(bench.build_model(settings.model, 0), settings)]
+    assert names == ["Muon", "AdamW"]
