@@ -103,10 +103,12 @@ def fit(rank: int, world_size: int, strategy_name: str, root: str, steps: int, b
             "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
-def loop_with_compiled_optimizer_step(rank: int, world_size: int, engine_name: str, steps: int) -> dict[str, Any]:
-    """A plain loop whose AdamW step is compiled (``optimizer.step = torch.compile(optimizer.step)``), under
-    DDP (``engine_name="ddp"``) or a stage-2 ``ZeroEngine`` stepping its master shards through it. The
-    graphs compiled after each step and the weights afterwards."""
+def loop(rank: int, world_size: int, engine_name: str, steps: int, compile_model: bool,
+         compile_step: bool) -> dict[str, Any]:
+    """A plain loop under DDP (``engine_name="ddp"``) or a stage-2 ``ZeroEngine``: the model compiled
+    (``torch.compile(model)``, as a user of either does) and/or the AdamW step compiled (``optimizer.step =
+    torch.compile(optimizer.step)``; the engine steps its master shards through it). The graphs compiled
+    after each step and the weights afterwards."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_zero import ZeroConfig, ZeroEngine
@@ -115,17 +117,20 @@ def loop_with_compiled_optimizer_step(rank: int, world_size: int, engine_name: s
     torch._dynamo.reset()
     module = MLP()
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
-    optimizer.step = torch.compile(optimizer.step, backend=counting_backend("eager"))  # type: ignore[method-assign]
+    if compile_step:
+        optimizer.step = torch.compile(optimizer.step, backend=counting_backend("eager"))  # type: ignore[method-assign]
     if engine_name == "ddp":
-        forward: Any = DistributedDataParallel(module)
+        model: Any = DistributedDataParallel(module)
         stepper: Any = optimizer
     else:
-        forward = module
+        model = module
         stepper = ZeroEngine(module, [optimizer], ZeroConfig(stage=2, bucket_size_mb=0.0005)).optimizers[0]
+    if compile_model:
+        model = torch.compile(model, backend=counting_backend("eager"))
     after_step = []
     for step in range(steps):
         x, y = loader(steps, 1, world_size).dataset[step]
-        F.mse_loss(forward(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         stepper.step()
         stepper.zero_grad()
         after_step.append(len(GRAPHS))

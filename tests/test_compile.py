@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from compile_cases import compile_zero_optimizer_step, fit, loop_with_compiled_optimizer_step
+from compile_cases import compile_zero_optimizer_step, fit, loop
 
 pytestmark = pytest.mark.slow  # each fit compiles in two processes on shared cores: ~15 s
 
@@ -76,12 +76,16 @@ def test_resume_from_a_compiled_runs_checkpoint_continues_it_exactly(tmp_path: P
         assert resumed[rank]["graphs_after_step"] == [1] * (STEPS - 2), f"rank {rank}"
 
 
-def test_a_compiled_optimizer_step_steps_the_shards_as_ddps_parameters_in_one_graph() -> None:
-    zero = run_distributed(loop_with_compiled_optimizer_step, 2, "zero2", STEPS, start_method="forkserver")
-    ddp = run_distributed(loop_with_compiled_optimizer_step, 2, "ddp", STEPS, start_method="forkserver")
+@pytest.mark.parametrize(("compile_model", "compile_step"), [(True, False), (False, True)],
+                         ids=["model", "optimizer_step"])
+def test_a_plain_loop_compiles_as_under_ddp(compile_model: bool, compile_step: bool) -> None:
+    """The engine without Lightning: ``torch.compile(model)``, or the optimizer's own step compiled (the
+    engine steps its master shards through it)."""
+    zero = run_distributed(loop, 2, "zero2", STEPS, compile_model, compile_step, start_method="forkserver")
+    ddp = run_distributed(loop, 2, "ddp", STEPS, compile_model, compile_step, start_method="forkserver")
     for rank in range(2):
         assert zero[rank]["graphs_after_step"] == ddp[rank]["graphs_after_step"] == [1] * STEPS, f"rank {rank}"
-        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"compiled step rank {rank}")
+        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"rank {rank}")
 
 
 def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> None:
