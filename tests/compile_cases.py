@@ -127,14 +127,16 @@ def loop(rank: int, world_size: int, engine_name: str, steps: int, compile_model
         stepper = ZeroEngine(module, [optimizer], ZeroConfig(stage=2, bucket_size_mb=0.0005)).optimizers[0]
     if compile_model:
         model = torch.compile(model, backend=counting_backend("eager"))
-    after_step = []
+    after_step, pending_after_step = [], []
     for step in range(steps):
         x, y = loader(steps, 1, world_size).dataset[step]
         F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         stepper.step()
+        pending_after_step.append(engine_name != "ddp" and stepper._gatherer.pending)
         stepper.zero_grad()
         after_step.append(len(GRAPHS))
-    return {"graphs_after_step": after_step, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+    return {"graphs_after_step": after_step, "pending_after_step": pending_after_step,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
 def compile_zero_optimizer_step(rank: int, world_size: int) -> str:

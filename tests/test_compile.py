@@ -86,6 +86,8 @@ def test_a_plain_loop_compiles_as_under_ddp(compile_model: bool, compile_step: b
     for rank in range(2):
         assert zero[rank]["graphs_after_step"] == ddp[rank]["graphs_after_step"] == [1] * STEPS, f"rank {rank}"
         _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"rank {rank}")
+        # A compiled model's gathers end in the step; an eager one's still overlap the next forward.
+        assert zero[rank]["pending_after_step"] == [not compile_model] * STEPS, f"rank {rank}"
 
 
 def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> None:
