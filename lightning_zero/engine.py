@@ -210,10 +210,8 @@ class ZeroEngine:
             sp.param: sp for bucket in self.buckets for sp in bucket.params
         }
         self.pool = BufferPool()
-        compiled = self.optimizers and self.gatherer.compiled  # a rebuild keeps it: the graphs stay cached
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
                                       background=config.overlap_param_gather and self.shard_size > 1)
-        self.gatherer.compiled = bool(compiled)
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
                                    self.pool, presence, before_first_reduction=self.finish_param_gather,
                                    replica_group=self.replica_group, full_gradients=config.full_gradients)

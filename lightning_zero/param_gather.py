@@ -29,7 +29,9 @@ until torch's ``recompile_limit``, then an eager forward. So while dynamo traces
 read touches no gatherer state (nothing to guard on) and :func:`compiled_read_traced` runs once, at
 trace time (``_compat.run_at_trace_time``): it finishes what is pending (the graph about to run reads
 the parameters) and from then on every gatherer of the process ends its round inside ``start``, that
-is in the optimizer step, as with ``overlap_param_gather=False``. On CUDA that end is the current
+is in the optimizer step, as with ``overlap_param_gather=False``; also the gatherers built later,
+since an engine built again on the same module (the next ``fit``) runs the cached graph without a
+new trace. On CUDA that end is the current
 stream waiting on the gather stream's events, no host sync; the gathers then overlap with nothing of
 the forward, which starts with every parameter read. Compiled or not, a rank's gathers and their
 order stay those of the eager program. Why not an in-graph wait per bucket: an operator opaque to the
@@ -44,7 +46,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,10 @@ class ParamGatherer:
     queued, so callers can call them freely. Call order, on the training thread only:
     ``start`` (the step) -> ``wait_for``* (reads) -> ``finish`` (backward, step, close).
     """
+
+    compiled_reads_traced: ClassVar[bool] = False
+    """A compiled graph in this process reads guarded parameters: every round ends in ``start``
+    ([Note: compiled reads]). Set once, never cleared."""
 
     def __init__(self, buckets: Sequence[GradBucket], group: dist.ProcessGroup | None,
                  pool: BufferPool, async_op: bool, background: bool) -> None:
@@ -87,8 +93,6 @@ class ParamGatherer:
         """Gathers launched and not yet copied into the parameters (bounded by the pool's slots)."""
         self.launch_hook: Callable[[ParamGatherer], None] | None = None
         """Called after every launch (tests and benchmarks watch the in-flight bound with it)."""
-        self.compiled = False
-        """A compiled graph reads these parameters: each round ends in ``start`` ([Note: compiled reads])."""
         _LIVE_GATHERERS.add(self)
 
     @property
@@ -125,7 +129,7 @@ class ParamGatherer:
             self._thread = threading.Thread(target=self._run_in_thread, args=(queue,), daemon=True,
                                             name="lightning_zero-param-gather")
             self._thread.start()
-        if self.compiled:
+        if ParamGatherer.compiled_reads_traced:
             self.finish()  # [Note: compiled reads]
 
     def _run(self, queue: Sequence[GradBucket], done: Callable[[int], None]) -> None:
@@ -189,9 +193,10 @@ _LIVE_GATHERERS: weakref.WeakSet[ParamGatherer] = weakref.WeakSet()
 
 def compiled_read_traced(_ctx: Any = None) -> None:
     """(trace time) Dynamo traced a guarded parameter read: every gatherer of the process finishes what
-    is pending and ends its later rounds in the step ([Note: compiled reads]). Module-level and without
-    free variables, as ``torch._dynamo.comptime`` needs; which engine's module is traced is not known
-    here, so all of them switch (a process rarely holds more than one)."""
+    is pending and ends its later rounds in the step, and so do those built later ([Note: compiled
+    reads]). Module-level and without free variables, as ``torch._dynamo.comptime`` needs; which
+    engine's module is traced is not known here, so all of them switch (a process rarely holds more
+    than one)."""
+    ParamGatherer.compiled_reads_traced = True
     for gatherer in list(_LIVE_GATHERERS):
-        gatherer.compiled = True
         gatherer.finish()

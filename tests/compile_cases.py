@@ -154,3 +154,30 @@ def compile_zero_optimizer_step(rank: int, world_size: int) -> str:
     finally:
         engine.close()
     return "no error"
+
+
+def two_engines_in_turn(rank: int, world_size: int, compiled: bool, steps: int) -> dict[str, Any]:
+    """One module, compiled once (or not), trained by an engine for ``steps``, then by a second engine
+    built on it (as the next ``fit`` builds one) for ``steps`` more: the second runs the graph compiled
+    for the first without a new trace."""
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    GRAPHS.clear()
+    torch._dynamo.reset()
+    module = MLP()
+    model: Any = torch.compile(module, backend=counting_backend("eager")) if compiled else module
+    after_step, pending_after_step = [], []
+    for _turn in range(2):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
+        engine = ZeroEngine(module, [optimizer], ZeroConfig(stage=2, bucket_size_mb=0.0005))
+        stepper = engine.optimizers[0]
+        for step in range(steps):
+            x, y = loader(steps, 1, world_size).dataset[step]
+            F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+            stepper.step()
+            pending_after_step.append(engine.gatherer.pending)
+            stepper.zero_grad()
+            after_step.append(len(GRAPHS))
+        engine.close()
+    return {"graphs_after_step": after_step, "pending_after_step": pending_after_step,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()}}

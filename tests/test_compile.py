@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from compile_cases import compile_zero_optimizer_step, fit, loop
+from compile_cases import compile_zero_optimizer_step, fit, loop, two_engines_in_turn
 
 pytestmark = pytest.mark.slow  # each fit compiles in two processes on shared cores: ~15 s
 
@@ -88,6 +88,18 @@ def test_a_plain_loop_compiles_as_under_ddp(compile_model: bool, compile_step: b
         _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"rank {rank}")
         # A compiled model's gathers end in the step; an eager one's still overlap the next forward.
         assert zero[rank]["pending_after_step"] == [not compile_model] * STEPS, f"rank {rank}"
+
+
+def test_an_engine_built_again_on_a_compiled_module_ends_its_gathers_in_the_step() -> None:
+    """The graph compiled for the first engine runs again without a trace: the second engine's gathers
+    must end in the step all the same, or the graph would read parameters still being gathered."""
+    compiled = run_distributed(two_engines_in_turn, 2, True, STEPS, start_method="forkserver")
+    eager = run_distributed(two_engines_in_turn, 2, False, STEPS, start_method="forkserver")
+    for rank in range(2):
+        assert compiled[rank]["graphs_after_step"] == [1] * 2 * STEPS, f"rank {rank}"
+        assert compiled[rank]["pending_after_step"] == [False] * 2 * STEPS, f"rank {rank}"
+        assert eager[rank]["pending_after_step"] == [True] * 2 * STEPS, f"rank {rank}"
+        _assert_same_params(compiled[rank]["params"], eager[rank]["params"], f"rank {rank}")
 
 
 def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> None:
