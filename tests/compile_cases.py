@@ -38,8 +38,9 @@ class MLP(LightningModule):
     ``use_reentrant`` set to it (None: no activation checkpointing). Not the first: the reentrant variant
     gives no gradient to a segment whose inputs do not require one (the batch)."""
 
-    def __init__(self, checkpointing: bool | None = None) -> None:
+    def __init__(self, checkpointing: bool | None = None, compile_step: bool = False) -> None:
         super().__init__()
+        self.compile_step = compile_step
         torch.manual_seed(0)
         self.layers = nn.ModuleList([nn.Linear(7, 33), nn.Linear(33, 7)])  # 33: splits unevenly over 2 ranks
         self.checkpointing = checkpointing
@@ -59,7 +60,10 @@ class MLP(LightningModule):
         return F.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if self.compile_step:  # as README's "Compiling" tells a Lightning user
+            optimizer.step = torch.compile(optimizer.step, backend=counting_backend("eager"))  # type: ignore[method-assign]
+        return optimizer
 
 
 class GraphCount(Callback):
@@ -79,14 +83,15 @@ def strategy(name: str) -> Any:
 
 
 def fit(rank: int, world_size: int, strategy_name: str, root: str, steps: int, backend: str | None = "eager",
-        checkpointing: bool | None = None, save: bool = False, ckpt_path: str | None = None) -> dict[str, Any]:
+        checkpointing: bool | None = None, save: bool = False, ckpt_path: str | None = None,
+        compile_step: bool = False) -> dict[str, Any]:
     """``trainer.fit(torch.compile(MLP(checkpointing)))`` to ``steps``, 2 steps an epoch (a resume at an
     epoch's end sees the batches the uninterrupted run saw); backend None: not compiled. ``save``: a
     checkpoint at every epoch's end. The graphs compiled after each step and the weights afterwards."""
     as_torchrun(rank, world_size)
     GRAPHS.clear()
     torch._dynamo.reset()
-    module = MLP(checkpointing)
+    module = MLP(checkpointing, compile_step)
     count = GraphCount()
     callbacks: list[Callback] = [count]
     if save:

@@ -102,6 +102,20 @@ def test_an_engine_built_again_on_a_compiled_module_ends_its_gathers_in_the_step
         _assert_same_params(compiled[rank]["params"], eager[rank]["params"], f"rank {rank}")
 
 
+def test_an_optimizer_step_compiled_in_configure_optimizers_equals_ddps() -> None:
+    """Under ddp Lightning calls ``step(closure)``, so the compiled step traces the closure too (forward
+    and backward: several graphs, none after the first step); the engine runs the closure itself and
+    calls the compiled step without it: one graph."""
+    with tempfile.TemporaryDirectory() as root:
+        zero = run_distributed(fit, 2, "zero2", root, STEPS, None, None, False, None, True, start_method="forkserver")
+        ddp = run_distributed(fit, 2, "ddp", root, STEPS, None, None, False, None, True, start_method="forkserver")
+    for rank in range(2):
+        assert zero[rank]["graphs_after_step"] == [1] * STEPS, f"rank {rank}"
+        first = ddp[rank]["graphs_after_step"][0]
+        assert ddp[rank]["graphs_after_step"] == [first] * STEPS, f"rank {rank}"
+        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"rank {rank}")
+
+
 def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> None:
     for message in run_distributed(compile_zero_optimizer_step, 2, start_method="forkserver"):
         assert "torch.compile of ZeroOptimizer.step" in message
