@@ -70,7 +70,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states as sync_
 __all__ = [
     "MIN_LIGHTNING", "MIN_TORCH", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save", "dcp_metadata_path",
     "device_types", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
-    "process_group_timeout", "require_supported_versions", "run_at_trace_time", "save_planner_caches",
+    "is_compiled_function", "process_group_timeout", "require_supported_versions", "run_at_trace_time",
+    "save_planner_caches",
     "save_planner_kwargs", "sync_module_states",
 ]
 
@@ -149,6 +150,12 @@ def run_at_trace_time(function: Any) -> None:
     (``torch.compiler.is_compiling()``), when ``torch._dynamo`` is imported; no import here, since dynamo
     would have to trace one."""
     torch._dynamo.comptime.comptime(function)
+
+
+def is_compiled_function(function: Any) -> bool:
+    """Whether ``function`` is what ``torch.compile(fn)`` returned: dynamo's wrapper carries the original
+    as ``_torchdynamo_orig_callable`` (torch 2.0 and later; torch 2.13 and 2.14 tested)."""
+    return hasattr(function, "_torchdynamo_orig_callable")
 
 
 # Lightning --------------------------------------------------------------------------------------

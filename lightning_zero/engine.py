@@ -37,7 +37,7 @@ from lightning_zero._compat import run_at_trace_time
 from lightning_zero.comm_pool import BufferPool
 from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
 from lightning_zero.optimizer_kinds import optimizer_kind
 from lightning_zero.param_gather import ParamGatherer, compiled_read_traced
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
@@ -179,6 +179,7 @@ class ZeroEngine:
         _reject_sparse_modules(module)
         named = _optimized_params(module, optimizers)
         kinds = [optimizer_kind(opt, index) for index, opt in enumerate(optimizers)]  # [Note: optimizer kinds]
+        refuse_compiled_shape_aware_steps(optimizers, kinds)
         _broadcast_module_states(module, group)
         # The shards are disjoint within ``shard_group``; ``replica_group`` holds this rank's copies.
         self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)

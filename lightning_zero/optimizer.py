@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
-from lightning_zero._compat import run_at_trace_time
+from lightning_zero._compat import is_compiled_function, run_at_trace_time
 from lightning_zero.grad_bucket import GradBucket, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
@@ -328,3 +328,18 @@ def _refuse_compiled_step(_ctx: Any = None) -> None:
         " Lightning): the engine then steps its master shards through the compiled step. Or use foreach=True"
         " / fused=True, which batch the update without compiling."
     )
+
+
+def refuse_compiled_shape_aware_steps(optimizers: Sequence[Optimizer], kinds: Sequence[str]) -> None:
+    """A shape-aware optimizer whose ``step`` the user compiled is refused (pure: every rank alike,
+    before any collective). Its step runs on whole matrices gathered anew at each step ([Note: whole-matrix
+    step] in whole_step.py): new tensors each time, so the compiled step would recompile every step until
+    torch's ``recompile_limit`` and then run eagerly ([Note: compiled optimizer step])."""
+    for index, (optimizer, kind) in enumerate(zip(optimizers, kinds, strict=True)):
+        if kind == "shape_aware" and is_compiled_function(optimizer.step):
+            raise ValueError(
+                f"Optimizer {index} ({type(optimizer).__qualname__}) has a compiled step, and it is shape-aware:"
+                " ZeRO steps it on whole matrices gathered anew at every step, so the compiled step would"
+                " recompile at every step (then run eagerly after torch's recompile_limit). Pass it uncompiled;"
+                " compiling the step works for elementwise optimizers (AdamW, SGD, ...)."
+            )

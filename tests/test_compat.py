@@ -167,6 +167,12 @@ def test_run_at_trace_time_runs_once_while_tracing_and_never_in_the_graph() -> N
     assert TRACED == [1]
 
 
+def test_is_compiled_function_tells_what_torch_compile_returned() -> None:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    assert not _compat.is_compiled_function(optimizer.step)
+    assert _compat.is_compiled_function(torch.compile(optimizer.step, backend="eager"))
+
+
 def test_tensor_version_counter_counts_in_place_writes() -> None:
     tensor = torch.zeros(2)
     before = tensor._version

@@ -120,3 +120,13 @@ def test_compiling_the_engines_optimizer_step_is_refused_with_the_way_out() -> N
     for message in run_distributed(compile_zero_optimizer_step, 2, start_method="forkserver"):
         assert "torch.compile of ZeroOptimizer.step" in message
         assert "optimizer.step = torch.compile(optimizer.step)" in message
+
+
+def test_a_shape_aware_optimizer_with_a_compiled_step_is_refused_at_setup(single_rank_group: None) -> None:
+    from lightning_zero import ZeroConfig, ZeroEngine
+
+    model = torch.nn.Linear(4, 4)
+    muon = torch.optim.Muon([model.weight], lr=0.02)
+    muon.step = torch.compile(muon.step, backend="eager")  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"Optimizer 0 \(Muon\) has a compiled step, and it is shape-aware"):
+        ZeroEngine(model, [muon, torch.optim.AdamW([model.bias])], ZeroConfig(stage=2))
