@@ -30,14 +30,13 @@ read touches no gatherer state (nothing to guard on) and :func:`compiled_read_tr
 trace time (``_compat.run_at_trace_time``): it finishes what is pending (the graph about to run reads
 the parameters) and from then on every gatherer of the process ends its round inside ``start``, that
 is in the optimizer step, as with ``overlap_param_gather=False``; also the gatherers built later,
-since an engine built again on the same module (the next ``fit``) runs the cached graph without a
-new trace. On CUDA that end is the current
-stream waiting on the gather stream's events, no host sync; the gathers then overlap with nothing of
-the forward, which starts with every parameter read. Compiled or not, a rank's gathers and their
-order stay those of the eager program. Why not an in-graph wait per bucket: an operator opaque to the
-compiler, ordered before each parameter's first use, needs a data dependency on the parameter, and an
-operator that declares it mutates a graph input is functionalized by AOTAutograd (run on a copy); a
-future design, not this one.
+since an engine built again on the same module (the next ``fit``) runs the cached graph without a new
+trace. On CUDA that end is the current stream waiting on the gather stream's events, no host sync.
+The gathers then overlap nothing of the forward (bench/compile_gather.py measures the cost); a rank's
+gathers and their order stay those of the eager program. Not done here: a wait inside the graph per
+bucket, which needs an operator the compiler keeps before each parameter's first use; one without a
+data dependency on the parameter is not ordered by that, and one that declares it mutates the
+parameter is functionalized by AOTAutograd, which may run it on a copy.
 """
 
 from __future__ import annotations
