@@ -117,3 +117,12 @@ class PeakRSS:
     def __exit__(self, *_: object) -> None:
         self.peak = _status_kib("VmHWM") * 1024
         self.growth = max(0, self.peak - self.start)
+
+
+def muon_with_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon for the transformer blocks' matrices, AdamW for the rest (embeddings tied with the head,
+    LayerNorms, biases), as Muon is used: the one setup ``bench/optimizers.py`` and ``bench/engine.py
+    --optimizer muon`` share."""
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-3)]

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from _common import (
     PeakRSS,
     describe_machine,
     load_average,
+    muon_with_adamw,
     release_free_memory,
     rss_bytes,
     run_on_ranks,
@@ -186,6 +188,9 @@ class BenchSettings:
     lr: float = 1e-3
     weight_decay: float = 0.1
     seed: int = 1234
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``muon``: Muon for the blocks' matrices and AdamW for the rest (``_common.muon_with_adamw``), in the
+    methods that take it (``MUON_METHODS``); the AdamW-formula targets are then left out."""
 
 
 FULL = BenchSettings(
@@ -196,6 +201,36 @@ QUICK = BenchSettings(
     model=GPTConfig(vocab_size=2048, seq_len=32, d_model=128, n_layers=2, n_heads=4),
     batch_size=2, warmup_rounds=1, timed_rounds=4, steps_per_turn=2, bucket_size_mb=25.0,
 )
+
+
+MUON_METHODS = ("ddp", "zero1", "zero2", HYBRID)
+"""The methods ``--optimizer muon`` runs: the others split or partition parameters in ways Muon cannot
+step (FSDP's flat parameters, DeepSpeed's flat partitions) or take one optimizer class."""
+
+
+def make_optimizers(model: GPT, settings: BenchSettings) -> list[Optimizer]:
+    if settings.optimizer == "muon":
+        return muon_with_adamw(model)
+    return [AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)]
+
+
+class OptimizerSet:
+    """Several optimizers stepped as one (Muon and AdamW), with the verbs ``Method`` calls."""
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {key: value for optimizer in self.optimizers for key, value in optimizer.state.items()}
 
 
 def tensor_bytes(tensors: Sequence[Tensor | None]) -> int:
@@ -222,7 +257,7 @@ class Method:
     name: str
     keeps_fp32_master = False
 
-    def __init__(self, module: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(self, module: nn.Module, optimizer: Optimizer | OptimizerSet) -> None:
         self.module = module
         self.optimizer = optimizer
 
@@ -275,12 +310,12 @@ class ZeroMethod(Method):
     def __init__(self, model: GPT, settings: BenchSettings, stage: int, shard_group_size: int | None = None,
                  keep_grads: bool = False) -> None:
         self.name = GRADS_KEPT if keep_grads else f"zero{stage}" + (f"_hybrid{shard_group_size}" if shard_group_size else "")
-        inner = AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         config = ZeroConfig(stage=stage, bucket_size_mb=settings.bucket_size_mb, overlap_communication=True,
                             overlap_param_gather=True, shard_group_size=shard_group_size,
                             release_grad_shards=not keep_grads)
-        self.engine = ZeroEngine(model, [inner], config)
-        super().__init__(model, self.engine.optimizers[0])
+        self.engine = ZeroEngine(model, make_optimizers(model, settings), config)
+        optimizers = self.engine.optimizers
+        super().__init__(model, optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers))
 
     def flush(self) -> None:
         self.engine.ensure_flushed()
@@ -323,8 +358,8 @@ class DDPMethod(Method):
     name = "ddp"
 
     def __init__(self, model: GPT, settings: BenchSettings) -> None:
-        ddp = DDP(model)
-        super().__init__(ddp, AdamW(ddp.parameters(), lr=settings.lr, weight_decay=settings.weight_decay))
+        optimizers = make_optimizers(model, settings)
+        super().__init__(DDP(model), optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers))
 
 
 class ZeroRedundancyMethod(Method):
@@ -416,6 +451,8 @@ class DeepSpeedMethod(Method):
 
 
 def build_method(name: str, settings: BenchSettings) -> Method:
+    if settings.optimizer == "muon" and name not in MUON_METHODS:
+        raise ValueError(f"--optimizer muon runs {', '.join(MUON_METHODS)}, not {name}: pick --methods among them")
     model = build_model(settings.model, settings.seed)
     builders: dict[str, Callable[[], Method]] = {
         "ddp": lambda: DDPMethod(model, settings),
@@ -895,6 +932,12 @@ def partition_rule_matches(zero_redundancy: MethodResult, model: GPTConfig) -> b
     return zero_redundancy_partition(groups, zero_redundancy.world_size) == zero_redundancy.shard_numel
 
 
+def optimizer_words(settings: BenchSettings) -> str:
+    if settings.optimizer == "muon":
+        return "Muon (lr 0.02, weight decay 0.1) for the blocks' matrices and AdamW (lr 0.001) for the rest"
+    return f"AdamW (lr {settings.lr}, weight decay {settings.weight_decay})"
+
+
 def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[str]) -> list[str]:
     m = settings.model
     n_params = sum(p.numel() for p in build_model(m, seed=0).parameters())
@@ -904,7 +947,7 @@ def header(settings: BenchSettings, command: str, elapsed_s: float, loads: list[
         f"Machine: {describe_machine()}.  ",
         f"Model: GPT, {n_params / 1e6:.2f}M parameters (vocab {m.vocab_size}, {m.n_layers} blocks, d_model"
         f" {m.d_model}, {m.n_heads} heads, tied LM head), sequence {m.seq_len}, batch {settings.batch_size}"
-        f" per rank, AdamW (lr {settings.lr}, weight decay {settings.weight_decay}), fp32.  ",
+        f" per rank, {optimizer_words(settings)}, fp32.  ",
         f"Timing ({names}): the methods take turns in the same processes, {settings.warmup_rounds}"
         f" warm-up + {settings.timed_rounds} timed rounds; a round is one turn of each method, order rotated"
         f" every round; a turn is {settings.steps_per_turn} consecutive steps timed as one block that ends"
@@ -993,8 +1036,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="add DeepSpeed ZeRO-1/2 rows (DS_ACCELERATOR=cpu; see make bench-peers)")
     parser.add_argument("--methods", nargs="+", choices=(*METHODS, HYBRID, GRADS_KEPT, *PEERS), default=None,
                         help="run only these (ddp is always added: the ratios are to it)")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                        help=f"muon: Muon+AdamW in {', '.join(MUON_METHODS)} (the default methods then)")
     parser.add_argument("--out", type=Path, default=OUT_DIR / "engine.md")
     args = parser.parse_args(argv)
+    if args.optimizer == "muon" and not args.methods:
+        args.methods = list(MUON_METHODS)
     if args.methods:
         args.methods = ["ddp", *(m for m in args.methods if m != "ddp")]
     if args.steps_per_turn is not None and args.steps_per_turn < 1:
@@ -1040,6 +1087,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = dataclasses.replace(settings, methods=tuple(args.methods))
     if args.peers or any(m in PEERS for m in args.methods or ()):
         settings = dataclasses.replace(settings, peers=True)
+    settings = dataclasses.replace(settings, optimizer=args.optimizer)
     command = " ".join([".venv/bin/python", "bench/engine.py", *(sys.argv[1:] if argv is None else argv)])
     start = time.perf_counter()
     results: list[MethodResult] = []
@@ -1054,12 +1102,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         by_name = {r.method: r for r in world}
         for r in world:
             r.vs_ddp = paired_ratio(r, by_name["ddp"])
+            if settings.optimizer == "muon":  # the whole state is what DDP holds (no formula for Muon's)
+                r.unsharded_state_bytes = max(by_name["ddp"].state_bytes) + (r.param_bytes if r.master_bytes[0] else 0)
         zero_redundancy = by_name.get("ddp+zero_redundancy")
         if zero_redundancy is not None and not partition_rule_matches(zero_redundancy, settings.model):
             raise AssertionError("the computed ZeroRedundancyOptimizer partition differs from the measured one")
         results += world
-        checks += (turn_checks(world) + memory_checks(by_name) + step_memory_checks(by_name)
-                   + resident_checks(by_name) + speed_checks(by_name))
+        checks += turn_checks(world) + memory_checks(by_name) + step_memory_checks(by_name)
+        if settings.optimizer == "adamw":  # targets set for AdamW's state formula and update
+            checks += resident_checks(by_name) + speed_checks(by_name)
         if "zero1" in by_name and "zero2" in by_name:
             infos.append(stage_comparison(by_name))
         if HYBRID in by_name:

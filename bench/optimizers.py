@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from _common import BACKEND, describe_machine, load_average, run_on_ranks
+from _common import BACKEND, describe_machine, load_average, muon_with_adamw, run_on_ranks
 from engine import GPT, GPTConfig, build_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,11 +46,9 @@ class Settings:
 
 
 def optimizers(model: GPT, muon: bool) -> list[torch.optim.Optimizer]:
-    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
     if not muon:
         return [torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)]
-    return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-3)]
+    return muon_with_adamw(model)
 
 
 class Method:

@@ -70,8 +70,9 @@ from lightning.pytorch.overrides.distributed import _sync_module_states as sync_
 __all__ = [
     "MIN_LIGHTNING", "MIN_TORCH", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save", "dcp_metadata_path",
     "device_types", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
-    "process_group_timeout", "require_supported_versions", "save_planner_caches", "save_planner_kwargs",
-    "sync_module_states",
+    "is_compiled_function", "process_group_timeout", "require_supported_versions", "run_at_trace_time",
+    "save_planner_caches",
+    "save_planner_kwargs", "sync_module_states",
 ]
 
 
@@ -139,6 +140,22 @@ def process_group_timeout(device: str) -> timedelta:
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``: ``torch._utils._element_size`` (torch 2.13 and 2.14 tested)."""
     return int(torch._utils._element_size(dtype))
+
+
+def run_at_trace_time(function: Any) -> None:
+    """``torch._dynamo.comptime.comptime(function)``: while ``torch.compile`` traces the calling code,
+    ``function(ctx)`` runs once, at trace time, and nothing of it enters the graph or its guards; called
+    eagerly, nothing runs (torch 2.0 and later; torch 2.13 and 2.14 tested). ``function`` must have no
+    free variables (dynamo refuses closures): a module-level function. Call it only while compiling
+    (``torch.compiler.is_compiling()``), when ``torch._dynamo`` is imported; no import here, since dynamo
+    would have to trace one."""
+    torch._dynamo.comptime.comptime(function)
+
+
+def is_compiled_function(function: Any) -> bool:
+    """Whether ``function`` is what ``torch.compile(fn)`` returned: dynamo's wrapper carries the original
+    as ``_torchdynamo_orig_callable`` (torch 2.0 and later; torch 2.13 and 2.14 tested)."""
+    return hasattr(function, "_torchdynamo_orig_callable")
 
 
 # Lightning --------------------------------------------------------------------------------------

@@ -33,12 +33,13 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from lightning_zero import _collectives as comm
+from lightning_zero._compat import run_at_trace_time
 from lightning_zero.comm_pool import BufferPool
 from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
 from lightning_zero.optimizer_kinds import optimizer_kind
-from lightning_zero.param_gather import ParamGatherer
+from lightning_zero.param_gather import ParamGatherer, compiled_read_traced
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 _MB = 1024 * 1024
@@ -186,6 +187,7 @@ class ZeroEngine:
         _reject_sparse_modules(module)
         named = _optimized_params(module, optimizers)
         kinds = [optimizer_kind(opt, index) for index, opt in enumerate(optimizers)]  # [Note: optimizer kinds]
+        refuse_compiled_shape_aware_steps(optimizers, kinds)
         _broadcast_module_states(module, group)
         # The shards are disjoint within ``shard_group``; ``replica_group`` holds this rank's copies.
         self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)
@@ -554,6 +556,9 @@ class _GuardedParameters(dict):  # type: ignore[type-arg]
         self._positions = positions  # name -> gather position of the parameter's bucket
 
     def __getitem__(self, name: str) -> nn.Parameter | None:
+        if torch.compiler.is_compiling():  # nothing the graph would be guarded on: [Note: compiled reads]
+            run_at_trace_time(compiled_read_traced)
+            return dict.__getitem__(self, name)
         gatherer = self._gatherer
         if gatherer.pending:
             gatherer.wait_for(self._positions.get(name, -1))

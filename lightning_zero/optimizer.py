@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
+from lightning_zero._compat import is_compiled_function, run_at_trace_time
 from lightning_zero.grad_bucket import GradBucket, ShardedParam
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
@@ -123,6 +124,8 @@ class ZeroOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            run_at_trace_time(_refuse_compiled_step)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -318,3 +321,35 @@ def _shard_state(entry: dict[str, Any], sp: ShardedParam) -> dict[str, Any]:
     split = {key for key, value in entry.items() if is_split_state(key, value, sp.param.shape)}
     sp.split_state_keys = frozenset(split)
     return {key: sp.own_elements(value).clone() if key in split else value for key, value in entry.items()}
+
+
+def _refuse_compiled_step(_ctx: Any = None) -> None:
+    """(trace time) ``torch.compile`` is tracing :meth:`ZeroOptimizer.step`.
+
+    [Note: compiled optimizer step] The step around the user's optimizer waits for gathers on a thread,
+    launches collectives and calls hooks: compiled, it breaks into graphs guarded on that state, which
+    differs at each step, and its gathers would leave the compiled region. What a compiled step speeds up
+    is the user's optimizer over its tensors (one fused kernel per group instead of a loop), and that
+    part compiles unchanged: the user's optimizer steps the same master tensors every time."""
+    raise RuntimeError(
+        "torch.compile of ZeroOptimizer.step (the optimizer the engine or strategy hands back) is not supported:"
+        " it runs collectives, a gather thread and hooks. Compile your optimizer's own step instead, before"
+        " the engine gets it (`optimizer.step = torch.compile(optimizer.step)`, in configure_optimizers under"
+        " Lightning): the engine then steps its master shards through the compiled step. Or use foreach=True"
+        " / fused=True, which batch the update without compiling."
+    )
+
+
+def refuse_compiled_shape_aware_steps(optimizers: Sequence[Optimizer], kinds: Sequence[str]) -> None:
+    """A shape-aware optimizer whose ``step`` the user compiled is refused (pure: every rank alike,
+    before any collective). Its step runs on whole matrices gathered anew at each step ([Note: whole-matrix
+    step] in whole_step.py): new tensors each time, so the compiled step would recompile every step until
+    torch's ``recompile_limit`` and then run eagerly ([Note: compiled optimizer step])."""
+    for index, (optimizer, kind) in enumerate(zip(optimizers, kinds, strict=True)):
+        if kind == "shape_aware" and is_compiled_function(optimizer.step):
+            raise ValueError(
+                f"Optimizer {index} ({type(optimizer).__qualname__}) has a compiled step, and it is shape-aware:"
+                " ZeRO steps it on whole matrices gathered anew at every step, so the compiled step would"
+                " recompile at every step (then run eagerly after torch's recompile_limit). Pass it uncompiled;"
+                " compiling the step works for elementwise optimizers (AdamW, SGD, ...)."
+            )

@@ -20,14 +20,32 @@ between forward and backward) while a rank with the full forward waits for a gat
 never launched, both hang (``test_param_gather`` has this case). Launching independently of the
 forward, in the same order on every rank, on a process group of the gathers' own
 (:func:`lightning_zero.engine._gather_group`), makes the gathers complete whatever else the ranks do.
+
+[Note: compiled reads] A ``torch.compile``d forward reads the parameters as graph inputs, fetched at
+each call straight from the module's dicts: the guarded read (engine.py) runs only while dynamo traces,
+never when the graph runs, so a read cannot wait for its bucket there. Tracing the wait instead would
+guard the graph on the gatherer's progress, which differs at every step: a recompilation per step
+until torch's ``recompile_limit``, then an eager forward. So while dynamo traces a guarded read, the
+read touches no gatherer state (nothing to guard on) and :func:`compiled_read_traced` runs once, at
+trace time (``_compat.run_at_trace_time``): it finishes what is pending (the graph about to run reads
+the parameters) and from then on every gatherer of the process ends its round inside ``start``, that
+is in the optimizer step, as with ``overlap_param_gather=False``; also the gatherers built later,
+since an engine built again on the same module (the next ``fit``) runs the cached graph without a new
+trace. On CUDA that end is the current stream waiting on the gather stream's events, no host sync.
+The gathers then overlap nothing of the forward (bench/compile_gather.py measures the cost); a rank's
+gathers and their order stay those of the eager program. Not done here: a wait inside the graph per
+bucket, which needs an operator the compiler keeps before each parameter's first use; one without a
+data dependency on the parameter is not ordered by that, and one that declares it mutates the
+parameter is functionalized by AOTAutograd, which may run it on a copy.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +64,10 @@ class ParamGatherer:
     queued, so callers can call them freely. Call order, on the training thread only:
     ``start`` (the step) -> ``wait_for``* (reads) -> ``finish`` (backward, step, close).
     """
+
+    compiled_reads_traced: ClassVar[bool] = False
+    """A compiled graph in this process reads guarded parameters: every round ends in ``start``
+    ([Note: compiled reads]). Set once, never cleared."""
 
     def __init__(self, buckets: Sequence[GradBucket], group: dist.ProcessGroup | None,
                  pool: BufferPool, async_op: bool, background: bool) -> None:
@@ -70,6 +92,7 @@ class ParamGatherer:
         """Gathers launched and not yet copied into the parameters (bounded by the pool's slots)."""
         self.launch_hook: Callable[[ParamGatherer], None] | None = None
         """Called after every launch (tests and benchmarks watch the in-flight bound with it)."""
+        _LIVE_GATHERERS.add(self)
 
     @property
     def pending(self) -> bool:
@@ -105,6 +128,8 @@ class ParamGatherer:
             self._thread = threading.Thread(target=self._run_in_thread, args=(queue,), daemon=True,
                                             name="lightning_zero-param-gather")
             self._thread.start()
+        if ParamGatherer.compiled_reads_traced:
+            self.finish()  # [Note: compiled reads]
 
     def _run(self, queue: Sequence[GradBucket], done: Callable[[int], None]) -> None:
         """Launch in order, keeping at most the pool's slots in flight; ``done(i)`` per copy-out."""
@@ -160,3 +185,17 @@ class ParamGatherer:
     def finish(self) -> None:
         if self.pending:
             self.wait_for(len(self.order))
+
+
+_LIVE_GATHERERS: weakref.WeakSet[ParamGatherer] = weakref.WeakSet()
+
+
+def compiled_read_traced(_ctx: Any = None) -> None:
+    """(trace time) Dynamo traced a guarded parameter read: every gatherer of the process finishes what
+    is pending and ends its later rounds in the step, and so do those built later ([Note: compiled
+    reads]). Module-level and without free variables, as ``torch._dynamo.comptime`` needs; which
+    engine's module is traced is not known here, so all of them switch (a process rarely holds more
+    than one)."""
+    ParamGatherer.compiled_reads_traced = True
+    for gatherer in list(_LIVE_GATHERERS):
+        gatherer.finish()

@@ -90,3 +90,17 @@ def test_resident_memory_is_checked_against_deepspeed_when_its_rows_ran() -> Non
         by_name = {**without, "zero2": row("zero2", ours), "deepspeed_zero2": row("deepspeed_zero2", theirs)}
         [check] = [c for c in bench.resident_checks(by_name) if "deepspeed_zero2" in c.target]
         assert check.passed is passed, check
+
+
+def test_muon_rows_run_the_methods_that_can_step_muon_and_refuse_the_others() -> None:
+    import dataclasses
+
+    import pytest
+
+    bench = _bench_module()
+    assert bench.parse_args(["--optimizer", "muon"]).methods == list(bench.MUON_METHODS)
+    settings = dataclasses.replace(bench.QUICK, optimizer="muon")
+    with pytest.raises(ValueError, match="--optimizer muon runs ddp, zero1, zero2"):
+        bench.build_method("fsdp_shard_grad_op", settings)
+    names = [type(o).__name__ for o in bench.make_optimizers(bench.build_model(settings.model, 0), settings)]
+    assert names == ["Muon", "AdamW"]

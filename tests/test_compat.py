@@ -138,6 +138,41 @@ def test_element_size_of_dtypes() -> None:
     assert [_compat.element_size(d) for d in (torch.bfloat16, torch.float32, torch.int64, torch.bool)] == [2, 4, 8, 1]
 
 
+TRACED: list[int] = []
+
+
+def _note_trace(_ctx: Any) -> None:
+    TRACED.append(1)
+
+
+def test_run_at_trace_time_runs_once_while_tracing_and_never_in_the_graph() -> None:
+    TRACED.clear()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            _compat.run_at_trace_time(_note_trace)
+        return x * 2
+
+    compiled = torch.compile(double, backend=backend, fullgraph=True)
+    for _ in range(3):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert TRACED == [1]  # traced once, then the cached graph runs without it
+    assert len(graphs) == 1
+    double(torch.ones(2))  # eager: nothing runs
+    assert TRACED == [1]
+
+
+def test_is_compiled_function_tells_what_torch_compile_returned() -> None:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    assert not _compat.is_compiled_function(optimizer.step)
+    assert _compat.is_compiled_function(torch.compile(optimizer.step, backend="eager"))
+
+
 def test_tensor_version_counter_counts_in_place_writes() -> None:
     tensor = torch.zeros(2)
     before = tensor._version
