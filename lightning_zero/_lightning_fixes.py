@@ -32,7 +32,29 @@ class _RemoteLastLookup:
             found = {p if "://" in p else f"{protocol}://{p}" for p in found}
         if not found and dirpath:
             found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION)
+        return tiered_last(trainer, found)
+
+
+def tiered_last(trainer: Any, found: set[str]) -> set[str]:
+    """With a local tier: the durable ``last`` candidates go to the plugin, which picks the tier
+    collectively when the strategy loads (``ZeroCheckpointIO.resolve_last``); Lightning is handed this
+    node's tier directory, which only has to exist. Without any checkpoint on this node's tier or the
+    durable path, nothing is resumed, as Lightning does."""
+    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.tiers import tier_markers
+
+    strategy = trainer.strategy
+    io = getattr(strategy, "checkpoint_io", None)
+    if not isinstance(io, ZeroCheckpointIO) or io.local_tier is None:
         return found
+    io.place(strategy.node_rank, strategy.local_rank)
+    root = io.tier_root()
+    assert root is not None
+    if not found and not tier_markers(root):
+        return found
+    io.tiered_last = sorted(set(io.tiered_last or []) | found)
+    os.makedirs(root, exist_ok=True)
+    return {root}
 
 
 def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> set[str]:
