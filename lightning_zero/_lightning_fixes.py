@@ -41,7 +41,6 @@ def tiered_last(trainer: Any, found: set[str]) -> set[str]:
     node's tier directory, which only has to exist. Without any checkpoint on this node's tier or the
     durable path, nothing is resumed, as Lightning does."""
     from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
-    from lightning_zero.checkpoint.tiers import tier_markers
 
     strategy = trainer.strategy
     io = getattr(strategy, "checkpoint_io", None)
@@ -50,11 +49,35 @@ def tiered_last(trainer: Any, found: set[str]) -> set[str]:
     io.place(strategy.node_rank, strategy.local_rank)
     root = io.tier_root()
     assert root is not None
-    if not found and not tier_markers(root):
-        return found
+    # Every rank goes on to the collective choice, even one whose node lost its storage and sees nothing:
+    # another node may hold its files. When no tier holds anything, nothing is loaded (_ResumeNothing).
     io.tiered_last = sorted(set(io.tiered_last or []) | found)
     os.makedirs(root, exist_ok=True)
+    connector = trainer._checkpoint_connector
+    if not isinstance(connector.__dict__.get("resume_start"), _ResumeNothing):
+        connector.resume_start = _ResumeNothing(connector)
     return {root}
+
+
+class _ResumeNothing:
+    """The checkpoint connector's ``resume_start`` that, when the tiered ``ckpt_path="last"`` finds no
+    checkpoint on any tier (``NothingToResume``, raised on every rank alike), loads nothing, as Lightning's
+    own "last" does when there is no checkpoint."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def __call__(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_zero.checkpoint.tier_recovery import NothingToResume
+
+        try:
+            type(self.connector).resume_start(self.connector, checkpoint_path, weights_only=weights_only)
+        except NothingToResume as exc:
+            rank_zero_warn(f"{exc} No checkpoint will be loaded.")
+            self.connector._ckpt_path = None
+            self.connector._loaded_checkpoint = {}
 
 
 def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> set[str]:

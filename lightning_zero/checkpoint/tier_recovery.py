@@ -27,6 +27,11 @@ from lightning_zero.checkpoint.team import all_gather_objects, make_team, set_up
 from lightning_zero.checkpoint.tiers import TIER_KEY, LocalTier, order_key, tier_markers
 
 
+class NothingToResume(storage.CheckpointNotFoundError):
+    """``ckpt_path="last"`` with a local tier found no checkpoint on any tier (every rank alike): the fit
+    starts from scratch, as Lightning's own "last" does."""
+
+
 @dataclass(frozen=True)
 class TierChoice:
     """The checkpoint a resume reads: ``path`` (this rank's: a local-tier path differs per node), its tier
@@ -123,10 +128,12 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
         if lost:
             rank_zero_warn(f'ckpt_path="last": {lost}; falling back to the durable tier. ' + reason)
         choice = TierChoice(durable_url, "durable", durable_url, reason, durable_step)
-    else:
+    elif lost:
         raise storage.CheckpointNotFoundError(
-            f'ckpt_path="last": no complete checkpoint on any tier ({lost or "the local tiers are empty"}) and none on'
-            " the durable path. Start without ckpt_path, or pass the path of a checkpoint.")
+            f'ckpt_path="last": {lost}, and no durable checkpoint exists. Pass the path of a checkpoint to resume'
+            " from, or start without ckpt_path.")
+    else:
+        raise NothingToResume('ckpt_path="last": no checkpoint on the local tier or the durable path.')
     rank_zero_info(f'ckpt_path="last" resumes from the {choice.reason}.')
     return choice
 
