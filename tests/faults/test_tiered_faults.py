@@ -23,15 +23,21 @@ from lightning_zero.checkpoint.tiers import tier_markers
 TESTS = os.path.dirname(os.path.dirname(__file__))
 
 
-def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool, crash: bool) -> str:
+def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool, crash: bool,
+               kill_node1: str | None = None) -> str:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     env.pop("WORLD_SIZE", None)
     args = [sys.executable, os.path.join(TESTS, "tiered_node.py"), str(tmp_path / out), str(tmp_path / "durable"),
             str(tmp_path / "node{node_rank}"), str(steps), str(persist_every), str(int(resume)), str(int(crash))]
-    nodes = [subprocess.Popen(args, env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    kill = {"TIERED_KILL": kill_node1} if kill_node1 else {}
+    nodes = [subprocess.Popen(args, env={**env, "NODE_RANK": str(rank), **(kill if rank == 1 else {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(logs)
+    if kill_node1:
+        assert nodes[1].returncode == 17, "\n\n".join(logs)
+        assert nodes[0].returncode != 0, "\n\n".join(logs)  # its save failed: the peer was lost
+    else:
+        assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(logs)
     return "\n".join(logs)
 
 
@@ -70,6 +76,37 @@ def test_both_copies_of_a_rank_file_lost_falls_back_to_the_durable_tier_with_a_w
     assert second["tier"] == "durable", log
     assert "both copies of some rank's file are lost" in log
     for name, value in first["params"].items():
+        assert torch.equal(second["params"][name], value), name
+
+
+@pytest.mark.slow
+def test_killed_during_replication_the_partial_replica_is_never_used(tmp_path):
+    # Node 1 dies in save 2's replication: save 1 is complete and replicated on both nodes; save 2 is
+    # committed locally only (each node its own rank). Node 1's storage is then lost too: save 2 has no copy
+    # of rank 1 anywhere, so the resume takes save 1 from the local tier (rank 1 from node 0's replica).
+    _two_nodes(tmp_path, "first.pt", steps=3, persist_every=10, resume=False, crash=False,
+               kill_node1="replication:2")
+    newest = tier_markers(str(tmp_path / "node0"))[0][1]["tier"]
+    assert newest["step"] == 2 and newest["ranks"] == [0] and not newest["replicated"]
+    shutil.rmtree(tmp_path / "node1")
+    log = _two_nodes(tmp_path, "second.pt", steps=1, persist_every=10, resume=True, crash=False)
+    second = torch.load(tmp_path / "second.pt")
+    assert second["tier"] == "local" and second["step"] == 1, log
+    assert "both copies of some rank's file are lost" in log
+    for name, value in torch.load(f"{tmp_path / 'first.pt'}.step1").items():
+        assert torch.equal(second["params"][name], value), name
+
+
+@pytest.mark.slow
+def test_killed_during_persistence_the_durable_tier_keeps_its_previous_checkpoint(tmp_path):
+    # Node 1 dies in save 2's durable write: the durable tier holds save 1 only (no marker of save 2); the
+    # local tier holds save 2, complete and replicated, which the resume takes.
+    _two_nodes(tmp_path, "first.pt", steps=3, persist_every=1, resume=False, crash=False, kill_node1="persist:2")
+    assert sorted(p for p in os.listdir(tmp_path / "durable") if p.endswith(".ckpt")) == ["epoch=0-step=1.ckpt"]
+    log = _two_nodes(tmp_path, "second.pt", steps=2, persist_every=1, resume=True, crash=False)
+    second = torch.load(tmp_path / "second.pt")
+    assert second["tier"] == "local" and second["step"] == 2, log
+    for name, value in torch.load(f"{tmp_path / 'first.pt'}.step2").items():
         assert torch.equal(second["params"][name], value), name
 
 
