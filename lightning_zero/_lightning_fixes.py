@@ -7,6 +7,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_zero import _compat
+
 
 class _RemoteLastLookup:
     """``ModelCheckpoint._find_last_checkpoints`` that keeps the ``s3://`` (any protocol) prefix.
@@ -31,7 +33,9 @@ class _RemoteLastLookup:
             protocol = dirpath.split("://", 1)[0]
             found = {p if "://" in p else f"{protocol}://{p}" for p in found}
         if not found and dirpath:
-            found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION)
+            # With a local tier the durable tier usually has no `last*` file: no warning for that.
+            found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION,
+                                               warn=not _has_local_tier(trainer))
         return tiered_last(trainer, found)
 
 
@@ -53,7 +57,7 @@ def tiered_last(trainer: Any, found: set[str]) -> set[str]:
     # another node may hold its files. When no tier holds anything, nothing is loaded (_ResumeNothing).
     io.tiered_last = sorted(set(io.tiered_last or []) | found)
     os.makedirs(root, exist_ok=True)
-    connector = trainer._checkpoint_connector
+    connector = _compat.checkpoint_connector(trainer)
     if not isinstance(connector.__dict__.get("resume_start"), _ResumeNothing):
         connector.resume_start = _ResumeNothing(connector)
     return {root}
@@ -80,7 +84,11 @@ class _ResumeNothing:
             self.connector._loaded_checkpoint = {}
 
 
-def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> set[str]:
+def _has_local_tier(trainer: Any) -> bool:
+    return getattr(getattr(trainer.strategy, "checkpoint_io", None), "local_tier", None) is not None
+
+
+def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str, warn: bool = True) -> set[str]:
     """The newest checkpoint of ``dirpath`` that committed, when no ``last*`` one survived.
 
     A job killed while its first ``last.ckpt`` was being written (or a deleted ``last.ckpt``) leaves
@@ -101,8 +109,9 @@ def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> se
             continue
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        rank_zero_warn(f'ckpt_path="last": no last checkpoint survived in {dirpath!r}; resuming from {candidate!r},'
-                       " the newest complete checkpoint there.")
+        if warn:
+            rank_zero_warn(f'ckpt_path="last": no last checkpoint survived in {dirpath!r}; resuming from {candidate!r},'
+                           " the newest complete checkpoint there.")
         return {candidate}
     return set()
 

@@ -102,6 +102,7 @@ class ZeroCheckpointIO(CheckpointIO):
                             os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(), self._node_rank,
                             self._local_rank, step if isinstance(step, int) else None, dict(fields),
                             runtime=self._tiers, storage_options=options)
+            self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
                          marker_fields=fields, tuning=self.tuning, tier=tier)
         if not self.async_save:
@@ -173,7 +174,10 @@ class ZeroCheckpointIO(CheckpointIO):
         return checkpointer().finalize(blocking)
 
     def link(self, path: Any, link_path: Any) -> None:
-        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed."""
+        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed. With
+        a local tier, only for a save that goes to the durable path (the link names a durable checkpoint)."""
+        if self._tiers is not None and not self._tiers.persisted(os.fspath(path)):
+            return
         saver.link(os.fspath(path), os.fspath(link_path), self.storage_options)
 
     @override

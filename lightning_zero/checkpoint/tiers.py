@@ -103,6 +103,11 @@ class TierRuntime:
         self.deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
         self.unpersisted: Unpersisted | None = None
         self.failures = 0
+        self.newest_submitted: tuple[str, bool] | None = None  # (durable path, persisted) of the newest save
+
+    def persisted(self, url: str) -> bool:
+        """Whether the newest save was to ``url`` and goes to the durable path (``save_last="link"``)."""
+        return self.newest_submitted is not None and self.newest_submitted == (url, True)
 
     def next_persists(self) -> bool:
         """(training thread, every rank alike) Count a save; whether it goes to the durable tier too."""
