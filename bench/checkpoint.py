@@ -805,6 +805,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              " 4 ranks: bytes per rank and write rate (64 MiB, 3 repeats)")
     parser.add_argument("--tiered", action="store_true",
                         help="only: a tiered save (local tier + replica + S3) beside sharded saves to S3 and a local path")
+    parser.add_argument("--tier-dir", default=None,
+                        help="with --tiered: parent of the local tier's directories (default /dev/shm)")
     parser.add_argument("--integrity", action="store_true",
                         help="only the cost of the checksums: save/load rate with and without (128 MiB, 3 repeats)")
     return parser.parse_args(argv)

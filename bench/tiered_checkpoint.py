@@ -6,8 +6,9 @@ after one step). Interleaved, ``--repeats`` times, through ``ZeroCheckpointIO.sa
 strategy calls it:
 
 1. ``tiered``: ``ZeroCheckpointIO(mode="sharded", local_tier=LocalTier(..., replicas=1), persist_every=1)``
-   with its durable path on the S3 test server (moto, through s3fs): the save is written to the local tier,
-   replicated to the other node, then persisted to S3 from the same staged copy;
+   with its durable path on the S3 test server (moto, through s3fs): the save is written to the local tier
+   (``--tier-dir``; default ``/dev/shm``, the host-memory tier), replicated to the other node, then persisted
+   to S3 from the same staged copy;
 2. ``sharded`` straight to the S3 test server;
 3. ``sharded`` to a local path.
 
@@ -20,6 +21,7 @@ Usage::
 
     .venv/bin/python bench/checkpoint.py --tiered                 # 128 MiB, 3 repeats
     .venv/bin/python bench/checkpoint.py --tiered --size-mb 32    # smoke run
+    .venv/bin/python bench/checkpoint.py --tiered --tier-dir /tmp  # the local tier on the disk instead
 """
 
 from __future__ import annotations
@@ -52,14 +54,15 @@ LABELS = {"tiered": "tiered: local tier + replica, persisted to S3", "s3": "shar
           "local_path": "sharded to a local path"}
 
 
-def tiered_run(rank: int, world_size: int, settings: Any, s3_url: str, s3_options: dict[str, Any]) -> dict[str, Any]:
+def tiered_run(rank: int, world_size: int, settings: Any, s3_url: str, s3_options: dict[str, Any],
+               tier_dir: str) -> dict[str, Any]:
     from checkpoint import build_trainer, tree_digests
 
     trainer = build_trainer(settings, rank)
     set_up_coordination()
     trainer.forward_backward()
     trainer.optimizer_step()
-    tier = LocalTier(os.path.join(settings.root, "local", "node{node_rank}"), replicas=1, keep=2)
+    tier = LocalTier(os.path.join(tier_dir, "node{node_rank}"), replicas=1, keep=2)
     ios = {"tiered": ZeroCheckpointIO(mode="sharded", local_tier=tier, persist_every=1, storage_options=s3_options),
            "s3": ZeroCheckpointIO(mode="sharded", storage_options=s3_options),
            "local_path": ZeroCheckpointIO(mode="sharded")}
@@ -100,6 +103,7 @@ def tiered_run(rank: int, world_size: int, settings: Any, s3_url: str, s3_option
             dist.barrier()
             if rank == 0:
                 drop_page_cache(settings.root)
+                drop_page_cache(tier_dir)
             dist.barrier()
             tree = trainer.tree(for_load=True)
             start = now()
@@ -152,6 +156,13 @@ def build_report(settings: Any, ranks: list[Any], command: str, elapsed: float, 
     return "\n".join(lines) + "\n"
 
 
+def _fs_type(path: str) -> str:
+    import subprocess
+
+    df = subprocess.run(["df", "-T", path], capture_output=True, text=True).stdout.splitlines()
+    return df[-1].split()[1] if len(df) > 1 else "?"
+
+
 def main_tiered(args: argparse.Namespace, argv: Sequence[str] | None, settings_type: Any) -> None:
     sys.path.insert(0, str(TESTS))
     from s3_server import moto_s3
@@ -159,6 +170,8 @@ def main_tiered(args: argparse.Namespace, argv: Sequence[str] | None, settings_t
     command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
     os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="lz-ckpt-tiered-", dir=args.dir)
+    tier_parent = args.tier_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else root)
+    tier_dir = tempfile.mkdtemp(prefix="lz-tier-", dir=tier_parent)
     settings = settings_type(size_mb=args.size_mb or 128, repeats=args.repeats or 3, root=root, reshard_world_sizes=())
     machine = describe_machine(root)
     start = now()
@@ -166,9 +179,11 @@ def main_tiered(args: argparse.Namespace, argv: Sequence[str] | None, settings_t
         with moto_s3("lightning-zero-bench") as s3:
             print(f"tiered: {settings.size_mb} MiB of state ({settings.size_mb * MIB / 2 / 1e6:.0f} MB per rank),"
                   f" {settings.repeats} repeats, local files under {root}, S3 at {s3.endpoint_url}", flush=True)
-            result = run_world(tiered_run, 2, settings, s3.url("bench"), s3.storage_options)
+            result = run_world(tiered_run, 2, settings, s3.url("bench"), s3.storage_options, tier_dir)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(tier_dir, ignore_errors=True)
+    machine += f" The local tier is in {tier_parent} ({_fs_type(tier_parent)})."
     text = build_report(settings, result["ranks"], command, now() - start, machine)
     print(text)
     out = args.out or OUT_DIR / "checkpoint-tiered.md"

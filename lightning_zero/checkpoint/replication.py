@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_zero.checkpoint import storage
 
@@ -35,11 +36,10 @@ def ring_peers(places: Sequence[Place], rank: int, replicas: int) -> tuple[list[
 
 
 def exchange_files(own_file: str, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
-                   store: Callable[[int, bytes], None]) -> None:
+                   store: Callable[[int, memoryview], None]) -> None:
     """(every rank of ``group``, in the same rounds) Send ``own_file`` to ``sends[i]`` and hand what arrives
     from ``receives[i]`` to ``store(source, payload)``, round by round."""
-    with open(own_file, "rb") as f:
-        payload = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    payload = read_tensor(own_file)
     for round_index, (dst, src) in enumerate(zip(sends, receives)):
         tag = 2 * round_index
         size_out = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -50,16 +50,16 @@ def exchange_files(own_file: str, sends: Sequence[int | None], receives: Sequenc
         _wait([dist.isend(payload, dst, group=group, tag=tag + 1) if dst is not None else None,
                dist.irecv(incoming, src, group=group, tag=tag + 1) if src is not None else None])
         if src is not None:
-            store(src, incoming.numpy().tobytes())
+            store(src, memoryview(incoming.numpy()))  # no copy: written straight from the received buffer
 
 
 def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object,
-              read: Callable[[str], bytes], store: Callable[[str, bytes], None]) -> None:
+              read: Callable[[str], Tensor], store: Callable[[str, memoryview], None]) -> None:
     """(every rank of ``group``) Run ``plan``, a list of (sender, receiver, key) the same on every rank, in
     order: the sender sends ``read(key)``, the receiver ``store(key, payload)``; others skip the entry."""
     for sender, receiver, key in plan:
         if rank == sender:
-            payload = torch.frombuffer(bytearray(read(key)), dtype=torch.uint8)
+            payload = read(key)
             dist.send(torch.tensor([payload.numel()], dtype=torch.int64), receiver, group=group)
             dist.send(payload, receiver, group=group)
         elif rank == receiver:
@@ -67,10 +67,10 @@ def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object,
             dist.recv(size, sender, group=group)
             incoming = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(incoming, sender, group=group)
-            store(key, incoming.numpy().tobytes())
+            store(key, memoryview(incoming.numpy()))
 
 
-def write_file(path: str, payload: bytes) -> None:
+def write_file(path: str, payload: bytes | memoryview) -> None:
     """A received file, whole or not at all, fsynced (a marker that lists it is written after)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
 
@@ -83,9 +83,17 @@ def write_file(path: str, payload: bytes) -> None:
     storage.replace_whole(path, write)
 
 
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def read_tensor(path: str) -> Tensor:
+    """A file's bytes as a uint8 tensor (what gloo sends), read straight into it."""
+    payload = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        view, done = memoryview(payload.numpy()), 0
+        while done < len(view):
+            read = f.readinto(view[done:])
+            if not read:
+                raise OSError(f"{path} ended after {done} of {len(view)} bytes: it changed while being read.")
+            done += read
+    return payload
 
 
 def _wait(requests: list[object]) -> None:

@@ -157,12 +157,12 @@ def _fetch_missing(entry: dict[str, Any], holders: dict[int, list[int]], gathere
     marker_path = os.path.join(root, entry["name"])
     version_dir = os.path.join(root, entry["data"])
 
-    def read(key: str) -> bytes:
+    def read(key: str) -> Any:
         if key == "marker":
-            return replication.read_file(marker_path)
-        return replication.read_file(local.rank_file(version_dir, int(key.split(":")[1]), world_size))
+            return replication.read_tensor(marker_path)
+        return replication.read_tensor(local.rank_file(version_dir, int(key.split(":")[1]), world_size))
 
-    def store(key: str, payload: bytes) -> None:
+    def store(key: str, payload: memoryview) -> None:
         if key == "marker":
             replication.write_file(marker_path, payload)
         else:

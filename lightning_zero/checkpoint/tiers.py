@@ -214,7 +214,7 @@ class TierSave:
                 own = local.rank_file(self.version_dir, team.rank, team.world_size)
                 sends, receives = replication.ring_peers(self.places, team.rank, replicas)
 
-                def store(source: int, payload: bytes) -> None:
+                def store(source: int, payload: memoryview) -> None:
                     replication.write_file(local.rank_file(self.version_dir, source, team.world_size), payload)
                     received.append(source)
 
