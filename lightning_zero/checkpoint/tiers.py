@@ -36,6 +36,7 @@ from lightning_zero.checkpoint.modes import local
 from lightning_zero.checkpoint.scheduler import CheckpointSaveError
 from lightning_zero.checkpoint.storage import Location
 from lightning_zero.checkpoint.team import all_gather_objects
+from lightning_zero.checkpoint.tree import shard_group_size_of
 
 TIER_KEY = "tier"
 """The marker field of a local-tier checkpoint (see [Note: tier layout])."""
@@ -137,6 +138,7 @@ class TierSave:
     save_id: str = ""
     seq: float = 0.0
     places: list[tuple[str, str, int, int]] = field(default_factory=list)
+    shard_group_size: int = 0
     runtime: TierRuntime | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
 
@@ -193,6 +195,7 @@ class TierSave:
             raise CheckpointSaveError(f"Saving checkpoint {self.durable_url!r} to the local tier failed before any"
                                       " data was written; the previous checkpoints are intact. " + "; ".join(errors))
         self.version_dir = self.loc.join(self.loc.data_root(), version)
+        self.shard_group_size = shard_group_size_of(state, team.world_size) if state is not None else team.world_size
         failure = None
         try:
             os.makedirs(self.version_dir, exist_ok=True)
@@ -244,6 +247,8 @@ class TierSave:
                   "save_id": self.save_id,
                   TIER_KEY: {"ranks": ranks, "step": self.step, "seq": self.seq, "replicated": replicated,
                              "durable": self.durable_url}}
+        if self.shard_group_size != team.world_size:  # hybrid: as a durable `local` marker says it
+            fields["shard_group_size"] = self.shard_group_size
         storage.write_marker(self.loc, fields, self.marker_fields)
         if replicated:
             storage.remove_stale_versions(self.loc, keep=self.version_dir)
