@@ -18,16 +18,7 @@ from lightning_zero.checkpoint.replication import ring_peers
 from lightning_zero.checkpoint.storage import MARKER_KEY
 from lightning_zero.checkpoint.tiers import tier_markers
 
-
-@pytest.fixture(autouse=True)
-def _no_leaked_group():
-    """One process, no launcher: the Trainer's process group lives in this test process; later tests start
-    their own (conftest's single_rank_group checks that none leaked)."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
 
 
 def _trainer(tmp_path, steps: int, persist_every: int = 2, keep: int = 2, devices: int = 1, **checkpoint) -> Trainer:

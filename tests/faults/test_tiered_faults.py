@@ -23,15 +23,7 @@ from lightning_zero.checkpoint.tiers import tier_markers
 TESTS = os.path.dirname(os.path.dirname(__file__))
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_group():
-    """One process, no launcher: the Trainer's process group lives in this test process; later tests start
-    their own (conftest's single_rank_group checks that none leaked)."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
 
 
 def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool, crash: bool,
