@@ -55,6 +55,10 @@ class ZeroCheckpointIO(CheckpointIO):
             raise ValueError(f"persist_every={persist_every} needs a local_tier: without one every save goes to the"
                              " checkpoint path. Pass local_tier=LocalTier(path=...) or drop persist_every.")
         self.mode: Mode = validate_mode(mode)
+        if local_tier is not None and mode == "full":
+            raise ValueError("local_tier works with mode='sharded' or 'local' (the durable tier's mode): a 'full' save"
+                             " gathers the state to rank 0, and the local tier keeps each rank's own shards. Use"
+                             " mode='sharded' and `lightning-zero convert` for a full file.")
         self.local_tier = local_tier
         self.persist_every = persist_every
         self._tiers = TierRuntime(persist_every) if local_tier is not None else None
