@@ -26,6 +26,7 @@ Usage::
     .venv/bin/python bench/checkpoint.py --size-mb 1024 --repeats 5 --reshard-world-sizes 1 3
     .venv/bin/python bench/checkpoint.py --integrity     # only: write/load rate with and without checksums
     .venv/bin/python bench/checkpoint.py --hybrid        # only: a 2 x 2 hybrid save beside a flat 4-rank one
+    .venv/bin/python bench/checkpoint.py --tiered        # only: tiered saves beside S3 and local ones (tiered_checkpoint.py)
 
 The markdown report goes to stdout and to ``bench/out/checkpoint.md``.
 """
@@ -805,6 +806,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--peers", action="store_true",
                         help="only: our sharded async save beside DeepSpeed ZeRO-2's save_checkpoint (64 MiB, 3 repeats;"
                              " DeepSpeed from make bench-peers, see bench/checkpoint_peers.py)")
+    parser.add_argument("--tiered", action="store_true",
+                        help="only: a tiered save (local tier + replica + S3) beside sharded saves to S3 and a local path")
+    parser.add_argument("--tier-dir", default=None,
+                        help="with --tiered: parent of the local tier's directories (default /dev/shm)")
     parser.add_argument("--integrity", action="store_true",
                         help="only the cost of the checksums: save/load rate with and without (128 MiB, 3 repeats)")
     return parser.parse_args(argv)
@@ -812,6 +817,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tiered:
+        from tiered_checkpoint import main_tiered
+
+        main_tiered(args, argv, Settings)
+        return
     if args.integrity:
         main_integrity(args, argv)
         return

@@ -4,7 +4,7 @@ from lightning_zero import _compat  # noqa: F401, I001  (first: refuses a torch 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero._lightning_fixes import install_checkpoint_reader
-from lightning_zero.checkpoint import ZeroCheckpointIO
+from lightning_zero.checkpoint import LocalTier, ZeroCheckpointIO
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.fabric import register_fabric_strategies
 from lightning_zero.optimizer import ZeroOptimizer
@@ -16,6 +16,6 @@ ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
 register_fabric_strategies()  # Fabric(strategy="zero2")
 install_checkpoint_reader()  # LightningModule.load_from_checkpoint reads local/sharded checkpoints
 
-__all__ = ["EvenShard", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",
+__all__ = ["EvenShard", "LocalTier", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",
            "register_optimizer"]
 __version__ = "0.1.0"

@@ -184,3 +184,9 @@ def plain_checkpoint_load(io: Any, path: Any, map_location: Any = None, weights_
             f" 2.6); lightning {lightning.__version__} is installed. Upgrade with: pip install 'lightning>=2.6'"
         )
     return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+
+def checkpoint_connector(trainer: Any) -> Any:
+    """``Trainer._checkpoint_connector``: its ``resume_start(checkpoint_path, weights_only=None)`` loads the
+    resumed checkpoint, and ``_ckpt_path``/``_loaded_checkpoint`` hold what it loaded (Lightning 2.5, 2.6)."""
+    return trainer._checkpoint_connector

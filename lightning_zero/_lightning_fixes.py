@@ -7,6 +7,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_zero import _compat
+
 
 class _RemoteLastLookup:
     """``ModelCheckpoint._find_last_checkpoints`` that keeps the ``s3://`` (any protocol) prefix.
@@ -31,11 +33,62 @@ class _RemoteLastLookup:
             protocol = dirpath.split("://", 1)[0]
             found = {p if "://" in p else f"{protocol}://{p}" for p in found}
         if not found and dirpath:
-            found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION)
+            # With a local tier the durable tier usually has no `last*` file: no warning for that.
+            found = newest_complete_checkpoint(trainer, dirpath, self.callback.FILE_EXTENSION,
+                                               warn=not _has_local_tier(trainer))
+        return tiered_last(trainer, found)
+
+
+def tiered_last(trainer: Any, found: set[str]) -> set[str]:
+    """With a local tier: the durable ``last`` candidates go to the plugin, which picks the tier
+    collectively when the strategy loads (``ZeroCheckpointIO.resolve_last``); Lightning is handed this
+    node's tier directory, which only has to exist. Without any checkpoint on this node's tier or the
+    durable path, nothing is resumed, as Lightning does."""
+    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+
+    strategy = trainer.strategy
+    io = getattr(strategy, "checkpoint_io", None)
+    if not isinstance(io, ZeroCheckpointIO) or io.local_tier is None:
         return found
+    io.place(strategy.node_rank, strategy.local_rank)
+    root = io.tier_root()
+    assert root is not None
+    # Every rank goes on to the collective choice, even one whose node lost its storage and sees nothing:
+    # another node may hold its files. When no tier holds anything, nothing is loaded (_ResumeNothing).
+    io.tiered_last = sorted(set(io.tiered_last or []) | found)
+    os.makedirs(root, exist_ok=True)
+    connector = _compat.checkpoint_connector(trainer)
+    if not isinstance(connector.__dict__.get("resume_start"), _ResumeNothing):
+        connector.resume_start = _ResumeNothing(connector)
+    return {root}
 
 
-def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> set[str]:
+class _ResumeNothing:
+    """The checkpoint connector's ``resume_start`` that, when the tiered ``ckpt_path="last"`` finds no
+    checkpoint on any tier (``NothingToResume``, raised on every rank alike), loads nothing, as Lightning's
+    own "last" does when there is no checkpoint."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def __call__(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_zero.checkpoint.tier_recovery import NothingToResume
+
+        try:
+            type(self.connector).resume_start(self.connector, checkpoint_path, weights_only=weights_only)
+        except NothingToResume as exc:
+            rank_zero_warn(f"{exc} No checkpoint will be loaded.")
+            self.connector._ckpt_path = None
+            self.connector._loaded_checkpoint = {}
+
+
+def _has_local_tier(trainer: Any) -> bool:
+    return getattr(getattr(trainer.strategy, "checkpoint_io", None), "local_tier", None) is not None
+
+
+def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str, warn: bool = True) -> set[str]:
     """The newest checkpoint of ``dirpath`` that committed, when no ``last*`` one survived.
 
     A job killed while its first ``last.ckpt`` was being written (or a deleted ``last.ckpt``) leaves
@@ -56,8 +109,9 @@ def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str) -> se
             continue
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        rank_zero_warn(f'ckpt_path="last": no last checkpoint survived in {dirpath!r}; resuming from {candidate!r},'
-                       " the newest complete checkpoint there.")
+        if warn:
+            rank_zero_warn(f'ckpt_path="last": no last checkpoint survived in {dirpath!r}; resuming from {candidate!r},'
+                           " the newest complete checkpoint there.")
         return {candidate}
     return set()
 

@@ -217,7 +217,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self.lr_scheduler_configs = []
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            self.checkpoint_io.set_up(self.num_processes)  # saves coordinate in the background, also after validate/test
+            # Saves coordinate in the background, also after validate/test; the local tier needs the node.
+            self.checkpoint_io.set_up(self.num_processes, node_rank=self.node_rank, local_rank=self.local_rank)
 
     def _wait_for_staging(self) -> None:
         """The staging fence: a save still copying the state finishes before it changes."""
@@ -497,13 +498,41 @@ class ZeroLowLevelStrategy(DDPStrategy):
             return lightning_tree.load_engine_state(engine, module, candidate, options, strict=strict,
                                                       may_lack=may_lack, pending=pending if hook_first else None)
 
-        _, result = lightning_tree.load_with_fallback(
-            path, options, load_one, lambda ok: self.reduce_boolean_decision(ok, all=True), rank_zero_warn
-        )
+        agree = lambda ok: self.reduce_boolean_decision(ok, all=True)  # noqa: E731
+        started = time.perf_counter()
+        choice = io.resolve_last() if isinstance(io, ZeroCheckpointIO) else None
+        if choice is not None and choice.tier == "local":
+            result = self._load_local_tier(choice, load_one, agree)
+        else:
+            path = choice.path if choice is not None else path
+            _, result = lightning_tree.load_with_fallback(path, options, load_one, agree, rank_zero_warn)
+        if choice is not None and isinstance(io, ZeroCheckpointIO):
+            io.record_load(choice, time.perf_counter() - started)
         self._pending_weights = pending[0] if pending else None
         if engine is not None and not pending:
             lightning_tree.publish(engine, module)  # collectives only once every rank has loaded
         self._loaded_by_strategy = not hook_first
+        return result
+
+    def _load_local_tier(self, choice: Any, load_one: Any, agree: Any) -> dict[str, Any]:
+        """A resume from the local tier (every rank its own node's path), or, if it fails on any rank, from
+        the durable tier with a warning."""
+        error: BaseException | None = None
+        result: dict[str, Any] = {}
+        try:
+            result = load_one(choice.path)
+        except Exception as exc:  # every rank reaches the agreement below
+            error = exc
+        if agree(error is None):
+            return result
+        if choice.durable is None:
+            raise error if error is not None else RuntimeError(
+                f"Loading the local-tier checkpoint {choice.path!r} failed on another rank; see its error.")
+        rank_zero_warn(f"Loading the local-tier checkpoint {choice.path!r} failed ({error or 'on another rank'});"
+                       f" resuming from the durable tier, {choice.durable!r}.")
+        io = self.checkpoint_io
+        options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
+        _, result = lightning_tree.load_with_fallback(choice.durable, options, load_one, agree, rank_zero_warn)
         return result
 
     def _may_lack(self, module: LightningModule) -> frozenset[str]:

@@ -91,3 +91,12 @@ def _environment_unchanged() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def in_process_trainer_group() -> Iterator[None]:
+    """For Trainers run in this process (one device, no launcher): their process group is destroyed
+    afterwards, so later tests start clean (``single_rank_group`` checks that none leaked)."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

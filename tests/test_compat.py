@@ -3,6 +3,7 @@ fails the test named for it."""
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,12 @@ def test_lightning_optimizer_wraps_its_optimizer_as_underscore_optimizer() -> No
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     assert LightningOptimizer(optimizer)._optimizer is optimizer
+
+
+def test_checkpoint_connector_resumes_through_resume_start() -> None:
+    from lightning.pytorch import Trainer
+
+    connector = _compat.checkpoint_connector(Trainer(logger=False, accelerator="cpu", devices=1))
+    assert "weights_only" in inspect.signature(type(connector).resume_start).parameters
+    connector.resume_start(None)  # no path: nothing loaded
+    assert connector._ckpt_path is None and not connector._loaded_checkpoint

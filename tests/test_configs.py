@@ -127,3 +127,21 @@ def test_hybrid_config_shards_within_pairs_and_saves_one_copy(tmp_path: Path) ->
     # Readable whole in one process, like any sharded checkpoint.
     whole = read_lightning_checkpoint(str(root / "checkpoints" / f"epoch=0-step={STEPS}.ckpt"))
     assert whole["global_step"] == STEPS and whole["optimizer_states"][0]["state"]
+
+
+@pytest.mark.slow
+def test_tiered_config_saves_every_step_locally_and_persists_the_last_one(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    lightning_zero(every_step("tiered.yaml", tmp_path, [1]), root)
+    local = root / "local_tier" / "node0"
+    assert sorted(p.name for p in local.glob("*.ckpt")) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    assert marker(local / "epoch=0-step=2.ckpt")["mode"] == "local"
+    assert marker(local / "epoch=0-step=2.ckpt")["tier"]["ranks"] == [0, 1]
+    # persist_every: 10: only the last save of fit reached the durable tier, in sharded form
+    durable = root / "checkpoints"
+    assert sorted(p.name for p in durable.glob("*.ckpt")) == ["epoch=0-step=2.ckpt"]
+    assert marker(durable / "epoch=0-step=2.ckpt")["mode"] == "sharded"
+    output = lightning_zero(every_step("tiered.yaml", tmp_path, [1]), root, "--ckpt_path", "last",
+                            "--trainer.max_steps", str(STEPS + 1))
+    assert "resumes from the local tier" in output
+    assert (local / f"epoch=0-step={STEPS + 1}.ckpt").exists()

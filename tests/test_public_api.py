@@ -13,7 +13,11 @@ from lightning_zero.checkpoint import async_save, load, maybe_finalize_async_cal
 def test_design_example_imports_and_functional_verbs_exist():
     assert callable(async_save) and callable(load) and callable(maybe_finalize_async_calls)
     assert maybe_finalize_async_calls(blocking=True) is True  # nothing in flight
-    assert {"ZeroLowLevelStrategy", "ZeroCheckpointIO", "register_optimizer"} <= set(lightning_zero.__all__)
+    assert {"ZeroLowLevelStrategy", "ZeroCheckpointIO", "register_optimizer", "LocalTier"} <= set(lightning_zero.__all__)
+    import lightning_zero.checkpoint as checkpoint
+
+    assert {"LocalTier", "TierLoad", "SaveStats"} <= set(checkpoint.__all__)
+    assert checkpoint.LocalTier is lightning_zero.LocalTier
 
 
 @pytest.mark.parametrize("mode", ["local", "sharded", "full"])

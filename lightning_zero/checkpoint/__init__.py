@@ -19,7 +19,9 @@ from lightning_zero.checkpoint.saver import (
     save,
     wait_for_staging,
 )
+from lightning_zero.checkpoint.stats import TierLoad
 from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
+from lightning_zero.checkpoint.tiers import LocalTier
 from lightning_zero.checkpoint.tree import FlatShard
 from lightning_zero.checkpoint.tuning import CheckpointTuning
 
@@ -30,7 +32,9 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointTuning",
     "FlatShard",
+    "LocalTier",
     "SaveStats",
+    "TierLoad",
     "ZeroCheckpointIO",
     "async_save",
     "convert",

@@ -7,14 +7,17 @@ import os
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import saver
+from lightning_zero.checkpoint import saver, tier_recovery
 from lightning_zero.checkpoint.modes import Mode, validate_mode
-from lightning_zero.checkpoint.scheduler import checkpointer
-from lightning_zero.checkpoint.stats import SaveStats
+from lightning_zero.checkpoint.scheduler import CheckpointSaveError, checkpointer
+from lightning_zero.checkpoint.stats import SaveStats, TierLoad
 from lightning_zero.checkpoint.team import set_up_coordination
+from lightning_zero.checkpoint.tier_recovery import TierChoice
+from lightning_zero.checkpoint.tiers import LocalTier, TierRuntime, TierSave
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
@@ -33,11 +36,36 @@ class ZeroCheckpointIO(CheckpointIO):
             a checkpoint or a log.
         tuning: the I/O knobs (writer and reader threads, page-cache writeback, the collector pause);
             the defaults of :class:`~lightning_zero.checkpoint.CheckpointTuning` when not given.
+        local_tier: a :class:`~lightning_zero.checkpoint.LocalTier`: every save is written to node-local
+            storage in ``local`` form and replicated to other nodes; only every ``persist_every``-th save
+            (and the newest one at the end of fit) goes on to the ModelCheckpoint path in ``mode``, from
+            the same staged copy. ``ckpt_path="last"`` then loads the newest complete checkpoint of either
+            tier ([Note: tier layout] in checkpoint/tiers.py).
+        persist_every: with ``local_tier``: how often a save also goes to the durable path (1: every save).
     """
 
     def __init__(self, mode: Mode = "sharded", async_save: bool = True,
-                 storage_options: dict[str, Any] | None = None, tuning: CheckpointTuning | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, tuning: CheckpointTuning | None = None,
+                 local_tier: LocalTier | None = None, persist_every: int = 1) -> None:
+        if local_tier is not None and not isinstance(local_tier, LocalTier):
+            raise TypeError(f"local_tier must be a lightning_zero.checkpoint.LocalTier, got {type(local_tier).__name__}.")
+        if not isinstance(persist_every, int) or persist_every < 1:
+            raise ValueError(f"persist_every={persist_every!r} must be an int >= 1 (1: every save is persisted).")
+        if persist_every != 1 and local_tier is None:
+            raise ValueError(f"persist_every={persist_every} needs a local_tier: without one every save goes to the"
+                             " checkpoint path. Pass local_tier=LocalTier(path=...) or drop persist_every.")
         self.mode: Mode = validate_mode(mode)
+        if local_tier is not None and mode == "full":
+            raise ValueError("local_tier works with mode='sharded' or 'local' (the durable tier's mode): a 'full' save"
+                             " gathers the state to rank 0, and the local tier keeps each rank's own shards. Use"
+                             " mode='sharded' and `lightning-zero convert` for a full file.")
+        self.local_tier = local_tier
+        self.persist_every = persist_every
+        self._tiers = TierRuntime(persist_every) if local_tier is not None else None
+        self._node_rank = 0
+        self._local_rank = 0
+        self.tiered_last: list[str] | None = None  # set by the ckpt_path="last" lookup: the durable candidates
+        self.last_load: TierLoad | None = None
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
         self.tuning = tuning or DEFAULT_TUNING
@@ -46,7 +74,8 @@ class ZeroCheckpointIO(CheckpointIO):
         self._claimed: set[str] = set()
 
     def __repr__(self) -> str:  # storage_options may hold credentials: not shown
-        return f"ZeroCheckpointIO(mode={self.mode!r}, async_save={self.async_save})"
+        tier = f", local_tier={self.local_tier!r}, persist_every={self.persist_every}" if self.local_tier else ""
+        return f"ZeroCheckpointIO(mode={self.mode!r}, async_save={self.async_save}{tier})"
 
     @property
     def last_save_stats(self) -> SaveStats | None:
@@ -66,8 +95,20 @@ class ZeroCheckpointIO(CheckpointIO):
         self._claimed.add(_claim_key(path))
         options = {**self.storage_options, **(storage_options or {})}
         tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
+        fields = checkpoint.get(MARKER_FIELDS) or {}
+        tier = None
+        if self.local_tier is not None and self._tiers is not None:
+            url = os.fspath(path)
+            if url in self._tiers.deferred:
+                self._tiers.deferred.remove(url)  # saved again: its deferred removal would delete the new one
+            step = fields.get("global_step")
+            tier = TierSave(self.local_tier, self.local_tier.root(self._node_rank, self._local_rank),
+                            os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(), self._node_rank,
+                            self._local_rank, step if isinstance(step, int) else None, dict(fields),
+                            runtime=self._tiers, storage_options=options)
+            self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
-                         marker_fields=checkpoint.get(MARKER_FIELDS), tuning=self.tuning)
+                         marker_fields=fields, tuning=self.tuning, tier=tier)
         if not self.async_save:
             self.finalize()
 
@@ -80,7 +121,12 @@ class ZeroCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """(one rank) Removal waits until the save in flight has committed, and is dropped if it fails."""
+        """(one rank) Removal waits until the save in flight has committed, and is dropped if it fails. With a
+        local tier, until a newer save has committed on the durable path (most saves never reach it)."""
+        if self._tiers is not None:
+            self._tiers.deferred.append(os.fspath(path))
+            self._claimed.discard(_claim_key(path))
+            return
         saver.remove(os.fspath(path), self.storage_options)
         self._claimed.discard(_claim_key(path))
 
@@ -90,11 +136,33 @@ class ZeroCheckpointIO(CheckpointIO):
         file exists to pick its ``-vN`` name; ZeroLowLevelStrategy makes it ask this too)."""
         return _claim_key(path) in self._claimed
 
-    def set_up(self, local_ranks: int | None = None) -> None:
+    def set_up(self, local_ranks: int | None = None, node_rank: int | None = None,
+               local_rank: int | None = None) -> None:
         """(collective, every rank, training thread) Create the group background saves coordinate over,
         so that no save has to make a collective on the training thread. ``local_ranks``: the ranks on
-        this node, which share its CPUs between their reader threads."""
+        this node, which share its CPUs between their reader threads; ``node_rank``/``local_rank``: where
+        this rank is (the local tier's directory and replication ring)."""
         set_up_coordination(local_ranks)
+        self.place(node_rank, local_rank)
+
+    def place(self, node_rank: int | None, local_rank: int | None) -> None:
+        """This rank's node and local rank (the local tier's directory and ring); no collective."""
+        if node_rank is not None:
+            self._node_rank = node_rank
+        if local_rank is not None:
+            self._local_rank = local_rank
+
+    def tier_root(self) -> str | None:
+        """This rank's directory of the local tier (None without one)."""
+        return self.local_tier.root(self._node_rank, self._local_rank) if self.local_tier is not None else None
+
+    def resolve_last(self) -> TierChoice | None:
+        """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
+        resume reads: see :func:`~lightning_zero.checkpoint.tier_recovery.resolve_last`. None otherwise."""
+        durable, self.tiered_last = self.tiered_last, None
+        if durable is None or self.local_tier is None:
+            return None
+        return tier_recovery.resolve_last(self.local_tier, self.tier_root() or "", durable, self.storage_options)
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""
@@ -110,12 +178,44 @@ class ZeroCheckpointIO(CheckpointIO):
         return checkpointer().finalize(blocking)
 
     def link(self, path: Any, link_path: Any) -> None:
-        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed."""
+        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed. With
+        a local tier, only for a save that goes to the durable path (the link names a durable checkpoint)."""
+        if self._tiers is not None and not self._tiers.persisted(os.fspath(path)):
+            return
         saver.link(os.fspath(path), os.fspath(link_path), self.storage_options)
 
     @override
     def teardown(self) -> None:
         self.finalize()
+        self.persist_newest()
+
+    def persist_newest(self) -> bool:
+        """(every rank) With a local tier: write the newest save that reached only the local tier to its
+        durable path (the end of fit, so the durable tier ends with the run's last state). True if one was."""
+        kept = self._tiers.take_unpersisted() if self._tiers is not None else None
+        if kept is None:
+            return False
+        saver.async_save(kept.state, kept.url, mode=self.mode, storage_options=self.storage_options,
+                         marker_fields=kept.marker_fields, tuning=self.tuning)
+        try:
+            self.finalize()
+        except CheckpointSaveError as exc:
+            rank_zero_warn(f"Persisting the newest checkpoint {kept.url!r} to the durable tier at the end of fit"
+                           f" failed; it is committed on the local tier. Cause: {exc}")
+            return False
+        if self._tiers is not None:
+            self._tiers.newest_durable = kept.url
+            pending, self._tiers.deferred = self._tiers.deferred, []
+            for url in pending:  # rank 0's: removals that waited for a newer durable checkpoint
+                if url.rstrip("/") != kept.url.rstrip("/"):
+                    saver.remove(url, self.storage_options)
+            self.finalize()
+        return True
+
+    def record_load(self, choice: TierChoice, seconds: float) -> None:
+        """(every rank) The figures of a resume through :meth:`resolve_last` (``last_load``), logged on rank 0."""
+        self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason)
+        rank_zero_info(f"Resumed from the {choice.tier} tier ({choice.path!r}) in {seconds:.3f} s.")
 
     def release(self) -> None:
         """(every rank, after the last save was finalized) End the worker thread and the coordination

@@ -83,7 +83,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
                storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
                process_group: Any = None, coordinator_rank: int | None = None,
-               tuning: CheckpointTuning | None = None) -> None:
+               tuning: CheckpointTuning | None = None, tier: Any = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
@@ -108,7 +108,7 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called)
+    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -213,12 +213,18 @@ class _SaveJob:
     save_id: str = ""
     signatures: list[Any] = field(default_factory=list)
     planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
+    tier: Any = None  # tiers.TierSave: the local tier's phases run first ([Note: tier layout] in tiers.py)
 
     def run(self, staged: threading.Event) -> None:
         try:
             started = time.perf_counter()
+            if self.tier is not None:
+                self.tier.before_staging()
             self.stage(staged)
             staging_done = time.perf_counter()
+            if self.tier is not None:
+                self._run_tier(started, staging_done)
+                return
             self.agree()
             write_started = time.perf_counter()
             self.write()
@@ -236,6 +242,39 @@ class _SaveJob:
             # The staged copy goes before the caller learns the outcome: the executor keeps the job
             # referenced until after the future is resolved, and a save's host copy is a model's size.
             self.state = None
+
+    def _run_tier(self, started: float, staging_done: float) -> None:
+        """The local tier's phases, then (``tier.persist``) the durable ones, on the same staged copy. A
+        durable write that fails is reported (once, by rank 0) and the save stays committed on the local tier."""
+        tier, stats = self.tier, self.stats
+        origin = self.called if self.called is not None else started
+        if stats is not None:
+            stats.staging_s = staging_done - started
+        tier.run_local(self.state, self.team, self.error, self.tuning)
+        if stats is not None:
+            stats.local_committed_after_s = time.perf_counter() - origin
+            stats.tier = "local"
+        tier.replicate(self.team)
+        if stats is not None:
+            stats.replicated_after_s = time.perf_counter() - origin
+            stats.committed_after_s = stats.replicated_after_s
+            stats.bytes_written = _bytes_written(self.state, "local", self.team.rank)
+        if not tier.persist:
+            tier.keep_unpersisted(self.state)
+            return
+        try:
+            self.agree()
+            self.write()
+            self.commit()
+        except CheckpointSaveError as exc:
+            if stats is not None:
+                stats.durable_error = str(exc)
+            tier.durable_failed(exc, self.team.rank, self.state)
+            return
+        if stats is not None:
+            stats.durable_after_s = time.perf_counter() - origin
+            stats.tier = "durable"
+        tier.durable_committed(self.team.rank)
 
     def stage(self, staged: threading.Event) -> None:
         """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""

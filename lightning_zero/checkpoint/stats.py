@@ -37,6 +37,19 @@ class SaveStats:
     ``sharded``: its shards, and on rank 0 the replicated tensors, which DCP writes once; ``full``: rank 0
     the whole state, the others 0)."""
 
+    tier: str | None = None
+    """With a local tier: the furthest tier this save reached (``"local"``: committed and replicated on
+    node-local storage; ``"durable"``: also on the checkpoint path). None without a local tier."""
+    local_committed_after_s: float | None = None
+    """With a local tier: from the save call until every node's own files were committed locally."""
+    replicated_after_s: float | None = None
+    """With a local tier: from the save call until the replicas on other nodes were committed (recoverable
+    after losing any one node's storage)."""
+    durable_after_s: float | None = None
+    """With a local tier: from the save call until committed on the durable path (None: not persisted)."""
+    durable_error: str | None = None
+    """With a local tier: why persisting this save failed (None: it did not fail, or was not persisted)."""
+
     @property
     def blocked_total_s(self) -> float:
         """Everything the training loop waited for this save."""
@@ -61,4 +74,19 @@ class SaveStats:
         }
         if self.step is not None:
             metrics["step"] = float(self.step)
+        for name in ("local_committed_after_s", "replicated_after_s", "durable_after_s"):
+            value = getattr(self, name)
+            if value is not None:
+                metrics[name.replace("_after_s", "_after_ms")] = value * 1e3
         return {f"{prefix}{name}": value for name, value in metrics.items()}
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """One resume with a local tier: the tier it read (``"local"`` or ``"durable"``), the path (this
+    rank's), how long choosing and loading took, and why that tier."""
+
+    tier: str
+    path: str
+    seconds: float
+    reason: str

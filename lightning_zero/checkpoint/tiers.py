@@ -1,0 +1,297 @@
+"""Tiered checkpoints: every save goes to node-local storage in ``local`` form and is replicated to other
+nodes; every ``persist_every``-th save (and the last one of a fit) also goes to the durable path in the
+plugin's mode, from the same staged copy.
+
+[Note: tier layout] The local tier of a node is a directory (``LocalTier.path`` with ``{node_rank}`` and
+``{local_rank}`` filled in) laid out as any ``local`` checkpoint's folder: a commit marker per checkpoint,
+named after the ModelCheckpoint file (``<root>/last.ckpt``), and the data in ``<root>/_zero_data/<name>/
+<version>/rank*-of-*.pt`` (storage.py's [Note: checkpoint layout]). A node's version directory holds the
+files of the ranks on that node and the replicas it received from other nodes. The marker has one more
+field, ``tier``: the ranks whose files that node holds (``ranks``), the global step, a save sequence and
+whether the replicas are in. It is written twice per save, by one rank per directory: after the node's own
+files are complete ("locally committed") and again, listing the replicas too, once every replica has
+arrived ("replicated"). A file a marker does not list is never read, so a save killed midway leaves the
+previous checkpoint of the tier as it was, and a partial replica unused.
+
+Call order of one tiered save (every rank, the save's worker thread, before the durable phases of
+``saver._SaveJob``): :meth:`TierSave.run_local` (exchange: version and places; write; exchange: errors;
+marker), :meth:`TierSave.replicate` (ring over nodes, [Note: replication ring] in replication.py; exchange:
+errors and what arrived; marker; retention).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import string
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_zero.checkpoint import file_io, replication, storage
+from lightning_zero.checkpoint.modes import local
+from lightning_zero.checkpoint.scheduler import CheckpointSaveError
+from lightning_zero.checkpoint.storage import Location
+from lightning_zero.checkpoint.team import all_gather_objects
+from lightning_zero.checkpoint.tree import shard_group_size_of
+
+TIER_KEY = "tier"
+"""The marker field of a local-tier checkpoint (see [Note: tier layout])."""
+
+_FIELDS = {"node_rank", "local_rank"}
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """Node-local storage for every save of a :class:`~lightning_zero.ZeroCheckpointIO`.
+
+    Args:
+        path: a directory on the node's own disk or in host memory (``/dev/shm/...``, which outlives the
+            process but not the node); ``{node_rank}`` and ``{local_rank}`` are filled in, so one path
+            serves every node (and separate directories for nodes sharing a machine).
+        replicas: how many other nodes receive a copy of each rank's files (a ring over nodes); 1 keeps
+            every committed checkpoint through the loss of any one node's local storage. Capped at the
+            number of other nodes.
+        keep: local checkpoints kept per node (the newest complete one is never removed before a newer
+            one commits).
+    """
+
+    path: str
+    replicas: int = 1
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"LocalTier(path={self.path!r}): give a directory on node-local storage.")
+        if "://" in self.path:
+            raise ValueError(f"LocalTier(path={self.path!r}) must be a node-local directory, not a URL: the durable"
+                             " tier is the ModelCheckpoint path (which may be s3://).")
+        names = {name for _, name, _, _ in string.Formatter().parse(self.path) if name is not None}
+        if not names <= _FIELDS:
+            raise ValueError(f"LocalTier(path={self.path!r}) names {sorted(names - _FIELDS)}; only {{node_rank}} and"
+                             " {local_rank} are filled in.")
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ValueError(f"LocalTier(replicas={self.replicas!r}) must be an int >= 0 (0: no copies on other nodes).")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"LocalTier(keep={self.keep!r}) must be an int >= 1.")
+
+    def root(self, node_rank: int, local_rank: int) -> str:
+        """This node's (and rank's) directory of the tier."""
+        return os.path.abspath(self.path.format(node_rank=node_rank, local_rank=local_rank))
+
+
+@dataclass
+class Unpersisted:
+    """The newest save that reached only the local tier: its staged copy, kept until the next save stages
+    (then dropped: the durable tier gets that one or a later one), so that the end of a fit can persist it."""
+
+    state: Any
+    url: str
+    marker_fields: dict[str, Any]
+
+
+class TierRuntime:
+    """What a plugin's tiered saves share across saves: the save count, the newest durable checkpoint, the
+    durable removals deferred until a newer one commits, and the newest save not yet persisted."""
+
+    def __init__(self, persist_every: int) -> None:
+        self.persist_every = persist_every
+        self.saves = 0
+        self.newest_durable: str | None = None
+        self.deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
+        self.unpersisted: Unpersisted | None = None
+        self.failures = 0
+        self.newest_submitted: tuple[str, bool] | None = None  # (durable path, persisted) of the newest save
+
+    def persisted(self, url: str) -> bool:
+        """Whether the newest save was to ``url`` and goes to the durable path (``save_last="link"``)."""
+        return self.newest_submitted is not None and self.newest_submitted == (url, True)
+
+    def next_persists(self) -> bool:
+        """(training thread, every rank alike) Count a save; whether it goes to the durable tier too."""
+        self.saves += 1
+        return self.saves % self.persist_every == 0
+
+    def take_unpersisted(self) -> Unpersisted | None:
+        kept, self.unpersisted = self.unpersisted, None
+        return kept
+
+
+@dataclass
+class TierSave:
+    """The local-tier part of one save, run by ``saver._SaveJob`` on the worker thread."""
+
+    tier: LocalTier
+    root: str
+    name: str  # the ModelCheckpoint file's base name
+    durable_url: str
+    persist: bool
+    node_rank: int
+    local_rank: int
+    step: int | None = None
+    marker_fields: dict[str, Any] = field(default_factory=dict)
+    loc: Location | None = None
+    version_dir: str = ""
+    save_id: str = ""
+    seq: float = 0.0
+    places: list[tuple[str, str, int, int]] = field(default_factory=list)
+    shard_group_size: int = 0
+    runtime: TierRuntime | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def before_staging(self) -> None:
+        """(worker thread, before this save stages) The previous save's kept copy is superseded."""
+        if self.runtime is not None:
+            self.runtime.unpersisted = None
+
+    def keep_unpersisted(self, state: Any) -> None:
+        if self.runtime is not None:
+            self.runtime.unpersisted = Unpersisted(state, self.durable_url, self.marker_fields)
+
+    def durable_failed(self, error: BaseException, rank: int, state: Any) -> None:
+        """The durable write failed (every rank alike): the save stays committed on the local tier; reported
+        once, by rank 0; the next persistence (or the end of the fit) writes a newer one."""
+        self.keep_unpersisted(state)
+        if self.runtime is not None:
+            self.runtime.failures += 1
+        if rank == 0:
+            rank_zero_warn(f"Persisting checkpoint {self.durable_url!r} to the durable tier failed; it is committed on"
+                           " the local tier (and replicated), and training goes on. The next persisted save (every"
+                           f" {self.runtime.persist_every if self.runtime else 1} saves, and the last one of fit)"
+                           f" tries again. Cause: {error}")
+
+    def durable_committed(self, rank: int) -> None:
+        """The durable write committed: durable paths whose removal was deferred go now (rank 0)."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        runtime.newest_durable = self.durable_url
+        runtime.unpersisted = None
+        if rank != 0:
+            return
+        pending, runtime.deferred = runtime.deferred, []
+        for url in pending:
+            if url.rstrip("/") == self.durable_url.rstrip("/"):
+                continue  # saved again since: it is the newest now
+            try:
+                storage.remove(storage.resolve(url, self.storage_options))
+            except Exception as exc:  # a leftover costs space only
+                rank_zero_warn(f"Could not remove old checkpoint {url!r}: {exc}. Delete it by hand.")
+
+    def run_local(self, state: Any, team: Any, error: str | None, tuning: Any) -> None:
+        """(every rank) Write this rank's ``local`` file into its node's tier and commit the node's own
+        files. Raises :class:`CheckpointSaveError` on every rank if any rank failed."""
+        self.loc = storage.resolve(os.path.join(self.root, self.name))
+        place = (socket.gethostname(), self.root, self.node_rank, self.local_rank)
+        proposal = (uuid.uuid4().hex[:12], uuid.uuid4().hex, time.time()) if team.is_coordinator else None
+        gathered = all_gather_objects((proposal, place, error), team.group)
+        version, self.save_id, self.seq = gathered[team.coordinator][0]
+        self.places = [g[1] for g in gathered]
+        errors = [g[2] for g in gathered if g[2]]
+        if errors:
+            raise CheckpointSaveError(f"Saving checkpoint {self.durable_url!r} to the local tier failed before any"
+                                      " data was written; the previous checkpoints are intact. " + "; ".join(errors))
+        self.version_dir = self.loc.join(self.loc.data_root(), version)
+        self.shard_group_size = shard_group_size_of(state, team.world_size) if state is not None else team.world_size
+        failure = None
+        try:
+            os.makedirs(self.version_dir, exist_ok=True)
+            local.write_local(state, self.loc, self.version_dir, team.rank, team.world_size, self.save_id, tuning)
+        except Exception as exc:
+            failure = f"rank {team.rank}: {storage.storage_error(self.loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
+        self._commit_or_raise(team, failure, replicated=False)
+
+    def replicate(self, team: Any) -> list[int]:
+        """(every rank) Copy this rank's file to its ring peers on other nodes and commit the replicas each
+        node received; then apply the node's retention. Returns the ranks whose files this rank received."""
+        assert self.loc is not None
+        nodes = sorted({p[2] for p in self.places})
+        replicas = min(self.tier.replicas, len(nodes) - 1)
+        received: list[int] = []
+        failure = None
+        if replicas > 0:
+            try:
+                own = local.rank_file(self.version_dir, team.rank, team.world_size)
+                sends, receives = replication.ring_peers(self.places, team.rank, replicas)
+
+                def store(source: int, payload: memoryview) -> None:
+                    replication.write_file(local.rank_file(self.version_dir, source, team.world_size), payload)
+                    received.append(source)
+
+                replication.exchange_files(own, sends, receives, team.group, store)
+            except Exception as exc:
+                failure = f"rank {team.rank}: replicating to the other nodes failed ({type(exc).__name__}: {exc})"
+        self._commit_or_raise(team, failure, replicated=True, received=received)
+        return received
+
+    def _commit_or_raise(self, team: Any, failure: str | None, replicated: bool,
+                         received: list[int] | None = None) -> None:
+        """Every rank learns whether every rank succeeded; then one rank per tier directory writes its marker."""
+        assert self.loc is not None
+        gathered = all_gather_objects((failure, received or []), team.group)
+        errors = [g[0] for g in gathered if g[0]]
+        stage = "replicating to other nodes" if replicated else "writing to the local tier"
+        if errors:
+            if not replicated and self._writes_marker(team.rank):
+                file_io.discard(self.loc, self.version_dir)
+            raise CheckpointSaveError(f"Saving checkpoint {self.durable_url!r}: {stage} failed; the previous"
+                                      " checkpoints of the tier are intact. " + "; ".join(errors))
+        if not self._writes_marker(team.rank):
+            return
+        here = [r for r, p in enumerate(self.places) if p[:2] == self.places[team.rank][:2]]
+        ranks = sorted(set(here) | {src for r in here for src in gathered[r][1]})
+        fields = {"mode": "local", "world_size": team.world_size, "data": self.version_dir[len(self.loc.parent) + 1:],
+                  "save_id": self.save_id,
+                  TIER_KEY: {"ranks": ranks, "step": self.step, "seq": self.seq, "replicated": replicated,
+                             "durable": self.durable_url}}
+        if self.shard_group_size != team.world_size:  # hybrid: as a durable `local` marker says it
+            fields["shard_group_size"] = self.shard_group_size
+        storage.write_marker(self.loc, fields, self.marker_fields)
+        if replicated:
+            storage.remove_stale_versions(self.loc, keep=self.version_dir)
+            apply_retention(self.root, self.tier.keep)
+
+    def _writes_marker(self, rank: int) -> bool:
+        """The lowest rank of those sharing this rank's tier directory (same machine, same path)."""
+        mine = self.places[rank][:2]
+        return min(r for r, p in enumerate(self.places) if p[:2] == mine) == rank
+
+
+def tier_markers(root: str) -> list[tuple[str, dict[str, Any]]]:
+    """The committed local-tier checkpoints of a directory: (marker path, marker), newest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(root, name)
+        if ".tmp-" in name or not os.path.isfile(path):
+            continue
+        try:
+            marker = storage.read_marker(storage.resolve(path))
+        except Exception:  # damaged or not ours: never a candidate, never removed here
+            continue
+        if marker is not None and isinstance(marker.get(TIER_KEY), dict):
+            found.append((path, marker))
+    found.sort(key=lambda item: order_key(item[1]), reverse=True)
+    return found
+
+
+def order_key(marker: dict[str, Any]) -> tuple[int, float]:
+    """Newer first: the global step, then the save sequence (the coordinator's clock at the save)."""
+    tier = marker[TIER_KEY]
+    return (tier.get("step") if isinstance(tier.get("step"), int) else -1, float(tier.get("seq", 0.0)))
+
+
+def apply_retention(root: str, keep: int) -> list[str]:
+    """Remove all but the ``keep`` newest committed checkpoints of a tier directory (called right after a
+    newer one committed, so the newest complete one is always among those kept). Returns what was removed."""
+    removed = []
+    for path, _ in tier_markers(root)[keep:]:
+        storage.remove(storage.resolve(path))
+        removed.append(path)
+    return removed

@@ -1,0 +1,156 @@
+"""Tiered checkpoints (``ZeroCheckpointIO(local_tier=LocalTier(...), persist_every=N)``) through the Trainer:
+every save on the local tier, every N-th and the last one of fit on the durable path, retention per tier,
+and ``ckpt_path="last"`` choosing the tier. Multi-node faults are in tests/faults/test_tiered_faults.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_cases import NetModule, loader
+
+from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy
+from lightning_zero.checkpoint import read_mode
+from lightning_zero.checkpoint.replication import ring_peers
+from lightning_zero.checkpoint.storage import MARKER_KEY
+from lightning_zero.checkpoint.tiers import tier_markers
+
+pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
+
+
+def _trainer(tmp_path, steps: int, persist_every: int = 2, keep: int = 2, devices: int = 1, **checkpoint) -> Trainer:
+    io = ZeroCheckpointIO(mode="sharded", local_tier=LocalTier(str(tmp_path / "local" / "node{node_rank}"), keep=keep),
+                          persist_every=persist_every)
+    callback = ModelCheckpoint(dirpath=tmp_path / "durable", every_n_train_steps=1, save_top_k=-1,
+                               **checkpoint)
+    return Trainer(accelerator="cpu", devices=devices, max_steps=steps, logger=False, use_distributed_sampler=False,
+                   strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, start_method="popen" if devices == 1 else "forkserver"),
+                   plugins=[io], callbacks=[callback], enable_progress_bar=False, enable_model_summary=False)
+
+
+def _params(module: NetModule) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.net.named_parameters()}
+
+
+def test_local_tier_options_are_checked():
+    with pytest.raises(ValueError, match="only {node_rank} and {local_rank}"):
+        LocalTier("/tmp/{host}")
+    with pytest.raises(ValueError, match="not a URL"):
+        LocalTier("s3://bucket/x")
+    with pytest.raises(ValueError, match="keep=0"):
+        LocalTier("/tmp/x", keep=0)
+    with pytest.raises(ValueError, match="needs a local_tier"):
+        ZeroCheckpointIO(persist_every=5)
+    with pytest.raises(ValueError, match="persist_every=0"):
+        ZeroCheckpointIO(local_tier=LocalTier("/tmp/x"), persist_every=0)
+    with pytest.raises(ValueError, match="mode='sharded' or 'local'"):
+        ZeroCheckpointIO(mode="full", local_tier=LocalTier("/tmp/x"))
+    assert LocalTier("/dev/shm/ck/{node_rank}-{local_rank}").root(3, 1) == "/dev/shm/ck/3-1"
+
+
+def test_replication_ring_sends_to_the_next_nodes_same_local_rank():
+    # two nodes of two ranks: (host, dir, node, local rank)
+    places = [("a", "/t", 0, 0), ("a", "/t", 0, 1), ("b", "/t", 1, 0), ("b", "/t", 1, 1)]
+    assert ring_peers(places, 0, 1) == ([2], [2])
+    assert ring_peers(places, 3, 1) == ([1], [1])
+    three = [("h", f"/n{n}", n, 0) for n in range(3)]
+    assert ring_peers(three, 0, 2) == ([1, 2], [2, 1])
+
+
+def test_every_save_on_the_local_tier_every_second_and_the_last_on_the_durable_path(tmp_path):
+    module = NetModule()
+    trainer = _trainer(tmp_path, steps=5)
+    trainer.fit(module, loader(5, 1, 1))
+    io = trainer.strategy.checkpoint_io
+    root = tmp_path / "local" / "node0"
+    # keep=2: the two newest of the five local saves; each a `local` checkpoint holding rank 0's file
+    kept = [os.path.basename(p) for p, _ in tier_markers(str(root))]
+    assert kept == ["epoch=0-step=5.ckpt", "epoch=0-step=4.ckpt"]
+    assert read_mode(str(root / kept[0])) == "local"
+    # durable: saves 2 and 4 (persist_every=2) and save 5, the last of fit, persisted at teardown
+    durable = sorted(p for p in os.listdir(tmp_path / "durable") if p.endswith(".ckpt"))
+    assert durable == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt"]
+    assert all(read_mode(str(tmp_path / "durable" / p)) == "sharded" for p in durable)
+    assert io.last_save_stats is not None
+    # Resume "last": both tiers hold step 5, the local tier is taken; bit-exact with the durable one
+    resumed = NetModule()
+    again = _trainer(tmp_path, steps=5)
+    again.fit(resumed, loader(5, 1, 1), ckpt_path="last")
+    assert again.strategy.checkpoint_io.last_load.tier == "local"
+    for name, value in _params(module).items():
+        assert torch.equal(_params(resumed)[name], value)
+
+
+def test_save_stats_give_time_to_local_commit_and_to_durable(tmp_path):
+    trainer = _trainer(tmp_path, steps=2, persist_every=2)
+    trainer.fit(NetModule(), loader(2, 1, 1))
+    stats = trainer.strategy.checkpoint_io.last_save_stats
+    assert stats.tier == "durable" and stats.durable_error is None
+    assert 0 < stats.local_committed_after_s <= stats.replicated_after_s <= stats.durable_after_s
+    metrics = stats.as_metrics()
+    assert {"checkpoint/local_committed_after_ms", "checkpoint/durable_after_ms"} <= set(metrics)
+
+
+def test_durable_tier_newer_than_local_is_taken(tmp_path):
+    trainer = _trainer(tmp_path, steps=3, persist_every=1)
+    module = NetModule()
+    trainer.fit(module, loader(3, 1, 1))
+    # The local tier lost its newest save (step 3): the durable step-3 checkpoint is newer than local step 2.
+    from lightning_zero.checkpoint import storage
+
+    storage.remove(storage.resolve(str(tmp_path / "local" / "node0" / "epoch=0-step=3.ckpt")))
+    resumed = NetModule()
+    again = _trainer(tmp_path, steps=3, persist_every=1)
+    again.fit(resumed, loader(3, 1, 1), ckpt_path="last")
+    load = again.strategy.checkpoint_io.last_load
+    assert load.tier == "durable" and "step=3" in load.path
+    for name, value in _params(module).items():
+        assert torch.equal(_params(resumed)[name], value)
+
+
+class _DurableListing(Callback):
+    """The durable directory at the end of training, before teardown persists the newest save."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trainer.strategy.checkpoint_io.finalize()
+        self.seen = sorted(p for p in os.listdir(self.directory) if p.endswith(".ckpt"))
+
+
+def test_durable_removals_wait_for_a_newer_durable_checkpoint(tmp_path):
+    # save_top_k=1 by step: ModelCheckpoint asks to remove each previous file right away; the durable tier
+    # keeps the newest persisted one (step 2) until a newer one commits there (step 3, at the end of fit).
+    trainer = _trainer(tmp_path, steps=3, persist_every=2, monitor="step", mode="max")
+    trainer.checkpoint_callback.save_top_k = 1
+    listing = _DurableListing(tmp_path / "durable")
+    trainer.callbacks.insert(0, listing)
+    trainer.fit(NetModule(), loader(3, 1, 1))
+    assert listing.seen == ["epoch=0-step=2.ckpt"]
+    durable = sorted(p for p in os.listdir(tmp_path / "durable") if p.endswith(".ckpt"))
+    assert durable == ["epoch=0-step=3.ckpt"]
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_takes_the_durable_tier(tmp_path):
+    module = NetModule()
+    _trainer(tmp_path, steps=2, persist_every=5, devices=2).fit(module, loader(2, 1, 2))
+    # Two ranks saved; the local tier holds step 2 at world size 2, the durable tier step 2 (end of fit).
+    resumed = NetModule()
+    again = _trainer(tmp_path, steps=3, persist_every=5)
+    again.fit(resumed, loader(3, 1, 1), ckpt_path="last")
+    load = again.strategy.checkpoint_io.last_load
+    assert load.tier == "durable" and load.path.endswith("epoch=0-step=2.ckpt")
+    assert "saved with 2 ranks" in load.reason
+    assert again.global_step == 3
+
+
+def test_marker_of_a_local_tier_checkpoint_names_its_ranks_and_step(tmp_path):
+    _trainer(tmp_path, steps=1, persist_every=1).fit(NetModule(), loader(1, 1, 1))
+    content = torch.load(tmp_path / "local" / "node0" / "epoch=0-step=1.ckpt", weights_only=True)
+    tier = content[MARKER_KEY]["tier"]
+    assert tier["ranks"] == [0] and tier["step"] == 1 and tier["replicated"]
