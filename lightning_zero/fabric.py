@@ -67,7 +67,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     Args:
         stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype, shard_group_size,
-        whole_step_group_mb, full_gradients: as in :class:`lightning_zero.ZeroLowLevelStrategy`
+        whole_step_group_mb, full_gradients, release_grad_shards: as in :class:`lightning_zero.ZeroLowLevelStrategy`
             (:class:`~lightning_zero.engine.ZeroConfig`).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every forward in training
             mode, as DDP does by default; checkpoints always hold rank 0's.
@@ -103,11 +103,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         whole_step_group_mb: float | None = 1024.0,
         full_gradients: bool = False,
+        release_grad_shards: bool = True,
     ) -> None:
         # Validated before anything else so a bad option fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
                                       shard_group_size, whole_step_group_mb=whole_step_group_mb,
-                                      full_gradients=full_gradients)
+                                      full_gradients=full_gradients, release_grad_shards=release_grad_shards)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

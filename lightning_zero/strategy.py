@@ -72,6 +72,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         full_gradients: stage 1 only: every parameter's ``.grad`` holds the whole averaged gradient after
             backward, as under DDP, for hooks that read it (``ZeroConfig.full_gradients``: an all-reduce,
             and the gradients kept until ``zero_grad``).
+        release_grad_shards: ``zero_grad()`` frees the fp32 gradient shards until the next backward, so between
+            steps a rank holds parameters, master shards and optimizer state only (``ZeroConfig.release_grad_shards``;
+            False keeps them allocated, for CPU runs where taking them again costs page faults).
         whole_step_group_mb: shape-aware optimizers (Muon, Adafactor) step whole matrices gathered from the
             shards a group of at most this many MiB at a time (``ZeroConfig.whole_step_group_mb``; None: all at
             once). README, "Optimizers".
@@ -106,13 +109,14 @@ class ZeroLowLevelStrategy(DDPStrategy):
         exclude_frozen_parameters: bool = False,
         whole_step_group_mb: float | None = 1024.0,
         full_gradients: bool = False,
+        release_grad_shards: bool = True,
     ) -> None:
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
         # Validated before anything else so a bad stage fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
                                       shard_group_size, whole_step_group_mb=whole_step_group_mb,
-                                      full_gradients=full_gradients)
+                                      full_gradients=full_gradients, release_grad_shards=release_grad_shards)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -182,3 +182,12 @@ def test_bf16_mixed_is_close_to_fp32_pytorch() -> None:
     # bf16 keeps 8 bits of mantissa: the error is a few percent of how far training moved.
     assert error < 0.05 * moved, (error, moved)
     assert error > 0, "bf16-mixed gave bit-exact fp32 results: autocast did not run"
+
+
+def test_release_grad_shards_reaches_the_engine_config_from_both_front_ends() -> None:
+    from lightning_zero.fabric import ZeroLowLevelStrategy as FabricZero
+
+    assert ZeroLowLevelStrategy().zero_config.release_grad_shards is True
+    assert ZeroLowLevelStrategy(release_grad_shards=False).zero_config.release_grad_shards is False
+    assert FabricZero().zero_config.release_grad_shards is True
+    assert FabricZero(release_grad_shards=False).zero_config.release_grad_shards is False
