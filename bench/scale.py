@@ -205,7 +205,8 @@ def simulate(world_size: int, blocks: int, steps: int, bucket_size_mb: float | N
             engine_step_ms=engine_ms, plain_step_ms=plain_ms, overhead_ms=overhead_ms,
             master_bytes=sum(b.master_shard.numel() * b.master_shard.element_size() for b in engine.buckets),
             state_bytes=state_bytes,
-            grad_shard_bytes=sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in engine.buckets),
+            # A backward takes a master-sized gradient shard; reading b.grad_shard here would allocate one.
+            grad_shard_bytes=sum(b.master_shard.numel() * b.master_shard.element_size() for b in engine.buckets),
         )
         engine.close()
         return result
