@@ -157,17 +157,11 @@ def _fetch_missing(entry: dict[str, Any], holders: dict[int, list[int]], gathere
     marker_path = os.path.join(root, entry["name"])
     version_dir = os.path.join(root, entry["data"])
 
-    def read(key: str) -> Any:
+    def path_of(key: str) -> str:
         if key == "marker":
-            return replication.read_tensor(marker_path)
-        return replication.read_tensor(local.rank_file(version_dir, int(key.split(":")[1]), world_size))
+            return marker_path
+        return local.rank_file(version_dir, int(key.split(":")[1]), world_size)
 
-    def store(key: str, payload: memoryview) -> None:
-        if key == "marker":
-            replication.write_file(marker_path, payload)
-        else:
-            replication.write_file(local.rank_file(version_dir, int(key.split(":")[1]), world_size), payload)
-
-    replication.send_plan(plan, team.rank, team.group, read, store)
+    replication.send_plan(plan, team.rank, team.group, path_of)
     fetched = sorted({receiver for _, receiver, _ in plan})
     rank_zero_info(f"Local tier: rank(s) {fetched} fetched their files of {entry['name']!r} from a replica holder.")

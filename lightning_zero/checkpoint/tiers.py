@@ -217,11 +217,9 @@ class TierSave:
                 own = local.rank_file(self.version_dir, team.rank, team.world_size)
                 sends, receives = replication.ring_peers(self.places, team.rank, replicas)
 
-                def store(source: int, payload: memoryview) -> None:
-                    replication.write_file(local.rank_file(self.version_dir, source, team.world_size), payload)
-                    received.append(source)
-
-                replication.exchange_files(own, sends, receives, team.group, store)
+                received = replication.exchange_files(
+                    own, sends, receives, team.group, lambda source: local.rank_file(self.version_dir, source,
+                                                                                     team.world_size))
             except Exception as exc:
                 failure = f"rank {team.rank}: replicating to the other nodes failed ({type(exc).__name__}: {exc})"
         self._commit_or_raise(team, failure, replicated=True, received=received)
