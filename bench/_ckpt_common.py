@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,3 +187,31 @@ def own_cpu_seconds() -> float:
 
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def bench_command(argv: Sequence[str] | None, env: str = "") -> str:
+    """The command line of a ``bench/checkpoint.py`` run, as a report prints it."""
+    return " ".join([*([env] if env else []), ".venv/bin/python", "bench/checkpoint.py",
+                     *(argv if argv is not None else sys.argv[1:])])
+
+
+@contextmanager
+def scratch_root(directory: str, name: str) -> Iterator[str]:
+    """A fresh directory for one variant's files under ``directory`` (``--dir``), removed afterwards."""
+    os.makedirs(directory, exist_ok=True)
+    root = tempfile.mkdtemp(prefix=f"lz-ckpt-{name}-", dir=directory)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def publish(text: str, out: Path | None, name: str) -> None:
+    """Print a report and write it to ``out`` (default ``bench/out/checkpoint-<name>.md``)."""
+    print(text)
+    out = out or OUT_DIR / f"checkpoint-{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)

@@ -42,7 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,9 @@ import torch.distributed.checkpoint as dcp
 from _ckpt_common import (
     MB,
     MIB,
+    OUT_DIR,
     Check,
+    bench_command,
     busy_cpu_seconds,
     describe_machine,
     drop_page_cache,
@@ -63,9 +65,11 @@ from _ckpt_common import (
     now,
     own_cpu_seconds,
     peak_rss_bytes,
+    publish,
     raw_throughput,
     run_world,
     runs,
+    scratch_root,
     slowest,
     throughput,
     write_raw,
@@ -86,7 +90,6 @@ from lightning_zero.checkpoint.tree import is_tensor_leaf, map_leaves, walk
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
 RAW_WRITE_CHUNK = 64 * MIB
 MAX_STEPS_DURING_WRITE = 6
 BLOCKS = 4
@@ -898,21 +901,24 @@ def hybrid_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]
     return everyone
 
 
-def main_hybrid(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
-    os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="lz-ckpt-hybrid-", dir=args.dir)
-    settings = Settings(size_mb=args.size_mb or 64, repeats=args.repeats or 3, root=root, reshard_world_sizes=(),
-                        world_size=HYBRID_WORLD_SIZE)
-    machine = describe_machine(root)
+def run_variant(args: argparse.Namespace, name: str, run: Callable[..., Any], size_mb: int,
+                world_size: int = 2) -> tuple[Any, Settings, str, float]:
+    """One ``--<name>`` variant's world over fresh files: (result, settings, machine, seconds)."""
     start = now()
-    try:
-        ranks = run_world(hybrid_run, HYBRID_WORLD_SIZE, settings)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with scratch_root(args.dir, name) as root:
+        settings = Settings(size_mb=args.size_mb or size_mb, repeats=args.repeats or 3, root=root,
+                            reshard_world_sizes=(), world_size=world_size)
+        machine = describe_machine(root)
+        result = run_world(run, world_size, settings)
+    return result, settings, machine, now() - start
+
+
+def main_hybrid(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    command = bench_command(argv)
+    ranks, settings, machine, seconds = run_variant(args, "hybrid", hybrid_run, 64, HYBRID_WORLD_SIZE)
     lines = [
         f"# Hybrid sharded save ({settings.size_mb} MiB of state, {HYBRID_WORLD_SIZE} gloo ranks,"
-        f" {settings.repeats} repeats, median)", "", f"Command: `{command}` ({now() - start:.0f} s). {machine}", "",
+        f" {settings.repeats} repeats, median)", "", f"Command: `{command}` ({seconds:.0f} s). {machine}", "",
         "| layout | state held per rank MiB | written per rank MiB (min-max) | total written MiB | max/mean"
         " | write rate per rank MB/s (slowest) | aggregate MB/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -931,29 +937,12 @@ def main_hybrid(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
               " sharded save writes each shard once, spread over the replica groups, so the total equals one"
               " copy, as in the flat run. Write rate: this rank's bytes over DCP's write phase (SaveStats.write_s)."]
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = args.out or OUT_DIR / "checkpoint-hybrid.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    publish(text, args.out, "hybrid")
 
 
 def main_integrity(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
-    os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="lz-ckpt-integrity-", dir=args.dir)
-    settings = Settings(size_mb=args.size_mb or 128, repeats=args.repeats or 3, root=root, reshard_world_sizes=())
-    machine = describe_machine(root)
-    start = now()
-    try:
-        result = run_world(integrity_run, settings.world_size, settings)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    text = build_integrity_report(settings, result, command, now() - start, machine)
-    print(text)
-    out = args.out or OUT_DIR / "checkpoint-integrity.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-
+    result, settings, machine, seconds = run_variant(args, "integrity", integrity_run, 128)
+    publish(build_integrity_report(settings, result, bench_command(argv), seconds, machine), args.out, "integrity")
 
 if __name__ == "__main__":
     main()

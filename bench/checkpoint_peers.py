@@ -23,18 +23,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _ckpt_common import MIB, describe_machine, now, run_world
-
-OUT_DIR = Path(__file__).resolve().parent / "out"
+from _ckpt_common import MIB, bench_command, now, publish
 
 
 def fsync_tree(root: str, since: float) -> None:
@@ -175,21 +170,8 @@ def report(result: dict[str, Any], settings: Any, command: str, elapsed: float, 
 
 
 def main_peers(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    from checkpoint import Settings
+    from checkpoint import run_variant
 
-    command = " ".join(["DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=.bench-peers .venv/bin/python",
-                        "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
-    os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="lz-ckpt-peers-", dir=args.dir)
-    settings = Settings(size_mb=args.size_mb or 64, repeats=args.repeats or 3, root=root, reshard_world_sizes=())
-    machine = describe_machine(root)
-    start = now()
-    try:
-        result = run_world(peers_run, settings.world_size, settings)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    text = report(result, settings, command, now() - start, machine)
-    print(text)
-    out = args.out or OUT_DIR / "checkpoint-peers.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    result, settings, machine, seconds = run_variant(args, "peers", peers_run, 64)
+    command = bench_command(argv, env="DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=.bench-peers")
+    publish(report(result, settings, command, seconds, machine), args.out, "peers")

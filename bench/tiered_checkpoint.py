@@ -36,13 +36,24 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from _ckpt_common import MIB, Check, describe_machine, drop_page_cache, median, ms, now, run_world
+from _ckpt_common import (
+    MIB,
+    Check,
+    bench_command,
+    describe_machine,
+    drop_page_cache,
+    median,
+    ms,
+    now,
+    publish,
+    run_world,
+    scratch_root,
+)
 
 from lightning_zero.checkpoint import LocalTier, ZeroCheckpointIO, load
 from lightning_zero.checkpoint.team import set_up_coordination
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 
 # Targets from the issue.
@@ -167,25 +178,20 @@ def main_tiered(args: argparse.Namespace, argv: Sequence[str] | None, settings_t
     sys.path.insert(0, str(TESTS))
     from s3_server import moto_s3
 
-    command = " ".join([".venv/bin/python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])])
-    os.makedirs(args.dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="lz-ckpt-tiered-", dir=args.dir)
-    tier_parent = args.tier_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else root)
-    tier_dir = tempfile.mkdtemp(prefix="lz-tier-", dir=tier_parent)
-    settings = settings_type(size_mb=args.size_mb or 128, repeats=args.repeats or 3, root=root, reshard_world_sizes=())
-    machine = describe_machine(root)
+    command = bench_command(argv)
     start = now()
-    try:
-        with moto_s3("lightning-zero-bench") as s3:
-            print(f"tiered: {settings.size_mb} MiB of state ({settings.size_mb * MIB / 2 / 1e6:.0f} MB per rank),"
-                  f" {settings.repeats} repeats, local files under {root}, S3 at {s3.endpoint_url}", flush=True)
-            result = run_world(tiered_run, 2, settings, s3.url("bench"), s3.storage_options, tier_dir)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(tier_dir, ignore_errors=True)
+    with scratch_root(args.dir, "tiered") as root:
+        tier_parent = args.tier_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else root)
+        tier_dir = tempfile.mkdtemp(prefix="lz-tier-", dir=tier_parent)
+        settings = settings_type(size_mb=args.size_mb or 128, repeats=args.repeats or 3, root=root,
+                                 reshard_world_sizes=())
+        machine = describe_machine(root)
+        try:
+            with moto_s3("lightning-zero-bench") as s3:
+                print(f"tiered: {settings.size_mb} MiB of state ({settings.size_mb * MIB / 2 / 1e6:.0f} MB per rank),"
+                      f" {settings.repeats} repeats, local files under {root}, S3 at {s3.endpoint_url}", flush=True)
+                result = run_world(tiered_run, 2, settings, s3.url("bench"), s3.storage_options, tier_dir)
+        finally:
+            shutil.rmtree(tier_dir, ignore_errors=True)
     machine += f" The local tier is in {tier_parent} ({_fs_type(tier_parent)})."
-    text = build_report(settings, result["ranks"], command, now() - start, machine)
-    print(text)
-    out = args.out or OUT_DIR / "checkpoint-tiered.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    publish(build_report(settings, result["ranks"], command, now() - start, machine), args.out, "tiered")
