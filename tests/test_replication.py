@@ -46,3 +46,32 @@ def _exchange_in_small_pieces(rank: int, world_size: int, root: str) -> list[tup
 def test_files_stream_between_ranks_in_pieces_and_arrive_bit_for_bit(tmp_path):
     for rank_results in run_distributed(_exchange_in_small_pieces, 2, str(tmp_path)):
         assert all(ok for _, ok in rank_results), rank_results
+
+
+def _receiver_disk_full(rank: int, world_size: int, root: str) -> tuple[str, list[str]]:
+    import errno
+
+    replication.CHUNK_BYTES = 1 << 20  # 24 MiB in 1 MiB pieces: more than socket buffers take unread
+    group = dist.new_group(backend="gloo")
+    own = os.path.join(root, f"own{rank}")
+    with open(own, "wb") as f:
+        f.write(bytes([rank + 1]) * (24 << 20))
+    if rank == 1:
+        def full(*_args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        replication.os.posix_fallocate = full  # type: ignore[assignment]
+    try:
+        replication.exchange_files(own, [1 - rank], [1 - rank], group, lambda source: os.path.join(root, f"got{rank}"))
+        outcome = "ok"
+    except OSError as exc:
+        outcome = f"OSError: {exc}"
+    dist.barrier(group)
+    return outcome, sorted(n for n in os.listdir(root) if n.startswith(f"got{rank}"))
+
+
+def test_a_receiver_with_a_full_disk_raises_and_its_sender_is_not_left_waiting(tmp_path):
+    sender, receiver = run_distributed(_receiver_disk_full, 2, str(tmp_path))
+    assert sender == ("ok", ["got0"])  # rank 0's own receive went through; its send was drained
+    assert receiver[0].startswith("OSError") and "No space left" in receiver[0]
+    assert receiver[1] == []  # no partial file, no temporary
