@@ -40,8 +40,6 @@ def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_si
     file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning)
 
 
-
-
 def read_local(opened: OpenedCheckpoint, rank: int | None = None, shard_group_size: int | None = None,
                team: Team | None = None) -> Any:
     """This rank's file of a ``local`` checkpoint (refused at another world size, except with fewer
