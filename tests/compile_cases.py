@@ -186,3 +186,30 @@ def two_engines_in_turn(rank: int, world_size: int, compiled: bool, steps: int) 
         engine.close()
     return {"graphs_after_step": after_step, "pending_after_step": pending_after_step,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def fabric_loop(rank: int, world_size: int, strategy_name: str, steps: int) -> dict[str, Any]:
+    """``fabric.setup(torch.compile(module), optimizer)`` under Fabric's ``ddp`` or ``zero2``: the graphs
+    compiled after each step and the weights afterwards."""
+    from fabric_cases import make_fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    from lightning_zero.fabric import ZeroLowLevelStrategy as FabricZero
+
+    GRAPHS.clear()
+    torch._dynamo.reset()
+    module = MLP()
+    strategy: Any = FabricDDP() if strategy_name == "ddp" else FabricZero(stage=2, bucket_size_mb=0.0005)
+    fabric = make_fabric(rank, world_size, strategy)
+    model, optimizer = fabric.setup(torch.compile(module, backend=counting_backend("eager")),
+                                    torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1))
+    after_step = []
+    for step in range(steps):
+        x, y = loader(steps, 1, world_size).dataset[step]
+        fabric.backward(F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]))
+        optimizer.step()
+        optimizer.zero_grad()
+        after_step.append(len(GRAPHS))
+    if strategy_name != "ddp":
+        fabric.strategy.teardown()
+    return {"graphs_after_step": after_step, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_distributed
-from compile_cases import compile_zero_optimizer_step, fit, loop, two_engines_in_turn
+from compile_cases import compile_zero_optimizer_step, fabric_loop, fit, loop, two_engines_in_turn
 
 pytestmark = pytest.mark.slow  # each fit compiles in two processes on shared cores: ~15 s
 
@@ -130,3 +130,12 @@ def test_a_shape_aware_optimizer_with_a_compiled_step_is_refused_at_setup(single
     muon.step = torch.compile(muon.step, backend="eager")  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=r"Optimizer 0 \(Muon\) has a compiled step, and it is shape-aware"):
         ZeroEngine(model, [muon, torch.optim.AdamW([model.bias])], ZeroConfig(stage=2))
+
+
+def test_fabric_setup_of_a_compiled_module_has_ddps_graphs_and_weights() -> None:
+    zero = run_distributed(fabric_loop, 2, "zero2", STEPS, start_method="forkserver")
+    ddp = run_distributed(fabric_loop, 2, "ddp", STEPS, start_method="forkserver")
+    for rank in range(2):
+        assert ddp[rank]["graphs_after_step"] == [1] * STEPS, ddp[rank]["graphs_after_step"]
+        assert zero[rank]["graphs_after_step"] == ddp[rank]["graphs_after_step"], f"rank {rank}"
+        _assert_same_params(zero[rank]["params"], ddp[rank]["params"], f"fabric rank {rank}")
