@@ -204,11 +204,7 @@ class ZeroCheckpointIO(CheckpointIO):
                            f" failed; it is committed on the local tier. Cause: {exc}")
             return False
         if self._tiers is not None:
-            self._tiers.newest_durable = kept.url
-            pending, self._tiers.deferred = self._tiers.deferred, []
-            for url in pending:  # rank 0's: removals that waited for a newer durable checkpoint
-                if url.rstrip("/") != kept.url.rstrip("/"):
-                    saver.remove(url, self.storage_options)
+            self._tiers.durable_committed(kept.url, lambda url: saver.remove(url, self.storage_options))
             self.finalize()
         return True
 

@@ -274,7 +274,7 @@ class _SaveJob:
         if stats is not None:
             stats.durable_after_s = time.perf_counter() - origin
             stats.tier = "durable"
-        tier.durable_committed(self.team.rank)
+        tier.durable_committed()
 
     def stage(self, staged: threading.Event) -> None:
         """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""

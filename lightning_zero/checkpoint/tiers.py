@@ -26,6 +26,7 @@ import socket
 import string
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +101,8 @@ class TierRuntime:
     def __init__(self, persist_every: int) -> None:
         self.persist_every = persist_every
         self.saves = 0
-        self.newest_durable: str | None = None
         self.deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
         self.unpersisted: Unpersisted | None = None
-        self.failures = 0
         self.newest_submitted: tuple[str, bool] | None = None  # (durable path, persisted) of the newest save
 
     def persisted(self, url: str) -> bool:
@@ -118,6 +117,15 @@ class TierRuntime:
     def take_unpersisted(self) -> Unpersisted | None:
         kept, self.unpersisted = self.unpersisted, None
         return kept
+
+    def durable_committed(self, url: str, remove: Callable[[str], None]) -> None:
+        """A checkpoint committed on the durable path: nothing older waits to be persisted, and the durable
+        removals deferred until then go now (``remove``; only rank 0 has any: Lightning removes on rank 0)."""
+        self.unpersisted = None
+        pending, self.deferred = self.deferred, []
+        for old in pending:
+            if old.rstrip("/") != url.rstrip("/"):  # one saved again since is the newest now
+                remove(old)
 
 
 @dataclass
@@ -155,31 +163,22 @@ class TierSave:
         """The durable write failed (every rank alike): the save stays committed on the local tier; reported
         once, by rank 0; the next persistence (or the end of the fit) writes a newer one."""
         self.keep_unpersisted(state)
-        if self.runtime is not None:
-            self.runtime.failures += 1
         if rank == 0:
             rank_zero_warn(f"Persisting checkpoint {self.durable_url!r} to the durable tier failed; it is committed on"
                            " the local tier (and replicated), and training goes on. The next persisted save (every"
                            f" {self.runtime.persist_every if self.runtime else 1} saves, and the last one of fit)"
                            f" tries again. Cause: {error}")
 
-    def durable_committed(self, rank: int) -> None:
-        """The durable write committed: durable paths whose removal was deferred go now (rank 0)."""
-        runtime = self.runtime
-        if runtime is None:
-            return
-        runtime.newest_durable = self.durable_url
-        runtime.unpersisted = None
-        if rank != 0:
-            return
-        pending, runtime.deferred = runtime.deferred, []
-        for url in pending:
-            if url.rstrip("/") == self.durable_url.rstrip("/"):
-                continue  # saved again since: it is the newest now
-            try:
-                storage.remove(storage.resolve(url, self.storage_options))
-            except Exception as exc:  # a leftover costs space only
-                rank_zero_warn(f"Could not remove old checkpoint {url!r}: {exc}. Delete it by hand.")
+    def durable_committed(self) -> None:
+        """The durable write committed: see :meth:`TierRuntime.durable_committed`."""
+        if self.runtime is not None:
+            self.runtime.durable_committed(self.durable_url, self._remove_durable)
+
+    def _remove_durable(self, url: str) -> None:
+        try:
+            storage.remove(storage.resolve(url, self.storage_options))
+        except Exception as exc:  # a leftover costs space only
+            rank_zero_warn(f"Could not remove old checkpoint {url!r}: {exc}. Delete it by hand.")
 
     def run_local(self, state: Any, team: Any, error: str | None, tuning: Any) -> None:
         """(every rank) Write this rank's ``local`` file into its node's tier and commit the node's own
