@@ -58,16 +58,10 @@ def _inventory(root: str) -> list[dict[str, Any]]:
 
 
 def _durable_step(url: str, storage_options: dict[str, Any]) -> int:
-    """The global step a durable checkpoint was saved at (-1 if unknown)."""
+    """The global step a durable checkpoint was saved at (-1 if unknown): a commit marker carries Lightning's
+    top-level fields, as a ``full`` file does ([Note: marker format] in storage.py), so one read serves both."""
     loc = storage.resolve(url, storage_options)
-    marker = storage.read_marker(loc)
-    if marker is None:  # a full file: Lightning's own dict
-        step = file_io.torch_load(loc, loc.path).get("global_step")
-    else:
-        with loc.fs.open(loc.path, "rb") as f:
-            import torch
-
-            step = torch.load(f, map_location="cpu", weights_only=True).get("global_step")
+    step = file_io.torch_load(loc, loc.path).get("global_step")
     return step if isinstance(step, int) else -1
 
 
