@@ -60,7 +60,7 @@ def _receiver_disk_full(rank: int, world_size: int, root: str) -> tuple[str, lis
         def full(*_args: object) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        replication.os.posix_fallocate = full  # type: ignore[assignment]
+        replication.os.pwrite = full  # type: ignore[assignment]
     try:
         replication.exchange_files(own, [1 - rank], [1 - rank], group, lambda source: os.path.join(root, f"got{rank}"))
         outcome = "ok"
@@ -75,3 +75,82 @@ def test_a_receiver_with_a_full_disk_raises_and_its_sender_is_not_left_waiting(t
     assert sender == ("ok", ["got0"])  # rank 0's own receive went through; its send was drained
     assert receiver[0].startswith("OSError") and "No space left" in receiver[0]
     assert receiver[1] == []  # no partial file, no temporary
+
+
+def _stream_while_writing(rank: int, world_size: int, root: str) -> tuple[bool, bool, list[str]]:
+    """Rank 0 writes its file in three steps and waits, after the second, until rank 1 has a piece of it on
+    disk: only a sender that sends pieces before the file is whole lets it go on."""
+    import threading
+    import time
+
+    replication.CHUNK_BYTES = 4096
+    group = dist.new_group(backend="gloo")
+    payload = _payload(7, 4096 * 2 + 100)
+    flag = os.path.join(root, "first-piece-arrived")
+    if rank == 0:
+        own = os.path.join(root, "growing")
+        tail = replication.Tail(own)
+        replicating = replication.Replicating(tail, [1], [None], group, lambda source: "")
+        overlapped = False
+        with open(own, "wb") as f:
+            f.write(payload[:4096 * 2])
+            f.flush()
+            tail.advance(4096 * 2)
+            deadline = time.monotonic() + 30
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            overlapped = os.path.exists(flag)
+            f.write(payload[4096 * 2:])
+        tail.finish(len(payload))
+        replicating.join()
+        arrived_whole = True
+    else:
+        target = os.path.join(root, "replica")
+        replicating = replication.Replicating(replication.Tail(""), [None], [0], group, lambda source: target)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                n.startswith("replica.tmp") and os.path.getsize(os.path.join(root, n)) >= 4096 for n in os.listdir(root)):
+            time.sleep(0.01)
+        open(flag, "w").close()
+        overlapped = replicating.join() == [0]
+        with open(target, "rb") as f:
+            arrived_whole = f.read() == payload
+    dist.barrier(group)
+    return overlapped, arrived_whole, sorted(n for n in os.listdir(root) if ".tmp" in n)
+
+
+def test_a_file_is_sent_while_it_is_written_and_arrives_whole(tmp_path):
+    for overlapped, whole, leftovers in run_distributed(_stream_while_writing, 2, str(tmp_path)):
+        assert overlapped and whole and leftovers == []
+
+
+def _writer_fails(rank: int, world_size: int, root: str) -> tuple[str, list[str]]:
+    replication.CHUNK_BYTES = 4096
+    group = dist.new_group(backend="gloo")
+    if rank == 0:
+        own = os.path.join(root, "broken")
+        with open(own, "wb") as f:
+            f.write(b"x" * 4096 * 3)
+        tail = replication.Tail(own)
+        replicating = replication.Replicating(tail, [1], [None], group, lambda source: "")
+        tail.advance(4096 * 3)  # two pieces sent, then the writer fails (a full disk, say)
+        tail.fail()
+        replicating.join()
+        outcome = "sent"
+    else:
+        replicating = replication.Replicating(replication.Tail(""), [None], [0], group,
+                                              lambda source: os.path.join(root, "replica"))
+        try:
+            replicating.join()
+            outcome = "received"
+        except replication.SourceFailed as exc:
+            outcome = f"SourceFailed: {exc}"
+    dist.barrier(group)
+    return outcome, sorted(n for n in os.listdir(root) if n.startswith("replica"))
+
+
+def test_a_sender_whose_write_fails_leaves_no_replica(tmp_path):
+    sender, receiver = run_distributed(_writer_fails, 2, str(tmp_path))
+    assert sender[0] == "sent"
+    assert receiver[0].startswith("SourceFailed") and "rank 0" in receiver[0]
+    assert receiver[1] == []  # no partial replica, no temporary

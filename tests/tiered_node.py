@@ -60,7 +60,7 @@ def _kill_in(where: str, nth: int) -> None:
     from lightning_zero.checkpoint import replication
     from lightning_zero.checkpoint.modes import sharded
 
-    module, name = (replication, "exchange_files") if where == "replication" else (sharded, "write_sharded")
+    module, name = (replication.Replicating, "join") if where == "replication" else (sharded, "write_sharded")
     original, calls = getattr(module, name), []
 
     def dying(*args, **kwargs):

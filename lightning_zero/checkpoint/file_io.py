@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,27 +58,30 @@ def discard(loc: Location, version_dir: str) -> None:
 
 
 def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
-                  whole: bool = False) -> None:
+                  whole: bool = False, progress: Callable[[int], None] | None = None) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
     Local disks: one file, fsynced; ``whole``: written under a temporary name and renamed, so it
     appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint is).
     Object stores: one multipart upload that completes at close; a partial upload left by a failure
-    is never referenced (the marker is written last).
+    is never referenced (the marker is written last). ``progress`` (local disks, not ``whole``): see
+    :class:`~lightning_zero.checkpoint.writeback.WritebackStream`.
     """
     if loc.is_local and whole:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         storage.replace_whole(path, lambda tmp: write_file(loc, tmp, obj, tuning))
         return
-    write_file(loc, path, obj, tuning)
+    write_file(loc, path, obj, tuning, progress)
 
 
-def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
+def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
+               progress: Callable[[int], None] | None = None) -> None:
     """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`)."""
     if loc.is_local:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "wb") as f:
-            stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind)  # [Note: early writeback]
+            stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind,  # [Note: early writeback]
+                                               progress)
             _save_keeping_write_errors(obj, stream)
             f.flush()
             os.fsync(f.fileno())

@@ -3,20 +3,31 @@
 [Note: replication ring] Nodes are ordered by node rank; with ``replicas = k`` the rank with local rank
 ``l`` on the i-th node sends its file to the rank with local rank ``l`` on nodes i+1, ..., i+k (mod the
 number of nodes) and receives from nodes i-1, ..., i-k. Every rank sends and receives in the same order
-(round 1, 2, ...), each round a non-blocking send and receive, so no pair waits on another. Losing one
-node's storage loses one copy of each of its ranks' files, never both when ``replicas >= 1``.
-A file moves as ``CHUNK_BYTES`` pieces of two file mappings: the sender's tier file mapped for reading, and on
-the receiver a temporary of the same size mapped shared, renamed into place when whole. gloo reads and writes
-the page cache directly, so replication holds no copy of the files in memory and makes no read or write call.
-Round (or plan entry) i uses tag ``i << 16``, its pieces the tags after it.
+(round 1, 2, ...), so no pair waits on another. Losing one node's storage loses one copy of each of its
+ranks' files, never both when ``replicas >= 1``.
+
+[Note: streamed replication] A file is sent while it is still being written. ``torch.save`` writes its zip
+front to back and never goes back to patch a byte (its writer fails on any write out of order), so every
+byte below what the writer has handed to the kernel is final. The writer reports that offset to a
+:class:`Tail`; a sender thread sends each ``CHUNK_BYTES`` piece as soon as it is final, as a header
+(its length, and whether more follows, or that the writer failed) then the bytes, read from a mapping of
+the file (no copy in memory). A receiver thread takes each piece into one of two buffers and appends it
+to a temporary beside the replica's path, renamed into place, fsynced, once the last piece is in: a
+replica is whole or absent, and a marker lists it only after every rank reported its arrival. So
+replication overlaps the local write instead of following it: time to replicated is about the longer of
+the two, not their sum. The sender and receiver threads use point-to-point messages on the coordination
+group while the save's worker thread runs its collectives there: gloo keys a collective's messages by a
+slot of its own (the algorithm's prefix in the high bits), never a plain tag as these are.
+Round (or plan entry) i uses tags from ``i << 16``; piece k its header under ``+ 2k + 1``, its bytes under
+``+ 2k + 2``.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -42,31 +53,207 @@ def ring_peers(places: Sequence[Place], rank: int, replicas: int) -> tuple[list[
     return sends, receives
 
 
-CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
 PIECES_IN_FLIGHT = 2
-"""A replicated file moves in pieces of ``CHUNK_BYTES``, at most ``PIECES_IN_FLIGHT`` each way at once."""
+"""A replicated file moves in pieces of ``CHUNK_BYTES``, at most ``PIECES_IN_FLIGHT`` in flight each way."""
+
+_MORE, _LAST, _FAILED = 0, 1, 2  # a piece header's second field
+_TAG_STRIDE = 1 << 16
+
+
+class SourceFailed(RuntimeError):
+    """The sending rank's own write of the file failed, so no replica of it is made (that rank reports why)."""
+
+
+class Tail:
+    """How much of a file being written is final ([Note: streamed replication]). The writer calls
+    :meth:`advance` as its bytes reach the kernel, then :meth:`finish` or :meth:`fail`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._changed = threading.Condition()
+        self._written = 0
+        self._size: int | None = None
+        self._failed = False
+
+    @classmethod
+    def whole(cls, path: str) -> Tail:
+        """The tail of a file already complete."""
+        tail = cls(path)
+        tail.finish(os.path.getsize(path))
+        return tail
+
+    def advance(self, written: int) -> None:
+        with self._changed:
+            self._written = written
+            self._changed.notify_all()
+
+    def finish(self, size: int) -> None:
+        with self._changed:
+            self._written, self._size = size, size
+            self._changed.notify_all()
+
+    def fail(self) -> None:
+        with self._changed:
+            self._failed = True
+            self._changed.notify_all()
+
+    def next_piece(self, offset: int) -> tuple[int, bool] | None:
+        """Wait for the piece after ``offset`` to be final: its end and whether it is the file's last
+        (possibly empty); None if the writer failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._failed or self._size is not None
+                                   or self._written - offset >= CHUNK_BYTES)
+            if self._failed:
+                return None
+            end = min(offset + CHUNK_BYTES, self._written)
+            return end, self._size is not None and end == self._size
+
+
+def send_file(tail: Tail, dst: int, group: object, tag: int) -> None:
+    """Send the file behind ``tail`` to ``dst`` piece by piece, each as soon as it is final."""
+    in_flight: deque[Any] = deque()
+    offset, k = 0, 0
+    try:
+        while True:
+            piece = tail.next_piece(offset)
+            end, last = piece if piece is not None else (offset, True)
+            state = _FAILED if piece is None else _LAST if last else _MORE
+            header = torch.tensor([end - offset, state], dtype=torch.int64)
+            in_flight.append(dist.isend(header, dst, group=group, tag=_piece_tag(tag, k)))
+            if end > offset:
+                data = torch.from_file(tail.path, shared=False, size=end, dtype=torch.uint8)[offset:end]
+                in_flight.append(dist.isend(data, dst, group=group, tag=_piece_tag(tag, k) + 1))
+            offset, k = end, k + 1
+            while len(in_flight) > 2 * PIECES_IN_FLIGHT:
+                in_flight.popleft().wait()
+            if last:
+                return
+    finally:
+        _wait(list(in_flight))
+
+
+def receive_file(path: str, src: int, group: object, tag: int) -> None:
+    """Receive the file ``src`` sends (:func:`send_file`) into ``path``, whole or not at all, fsynced.
+    If the file cannot be written (a full disk), the rest is still received, so that the sender is not left
+    waiting, and the error is raised. Raises :class:`SourceFailed` if the sender's own write failed."""
+    def write(tmp: str) -> None:
+        buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        error: OSError | None = None
+        fd = -1
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            error = exc  # the pieces are still received (and dropped)
+        try:
+            offset, k = 0, 0
+            header = _receive_header(src, group, tag, 0)
+            pending: tuple[Tensor, int] | None = None  # the piece received, not yet written
+            while True:
+                header[1].wait()
+                length, state = header[0].tolist()
+                if state == _FAILED:
+                    raise SourceFailed(f"rank {src}'s write of its file failed; no replica of it was made")
+                buffer = buffers[k % 2]
+                if buffer.numel() < length:
+                    buffer = buffers[k % 2] = torch.empty(length, dtype=torch.uint8)
+                data = dist.irecv(buffer[:length], src, group=group, tag=_piece_tag(tag, k) + 1) if length else None
+                if state != _LAST:
+                    header = _receive_header(src, group, tag, k + 1)
+                if pending is not None and error is None:  # written while this piece arrives
+                    error = _append(fd, *pending)
+                if data is not None:
+                    data.wait()
+                pending = (buffer[:length], offset)
+                offset, k = offset + length, k + 1
+                if state == _LAST:
+                    break
+            if pending is not None and error is None:
+                error = _append(fd, *pending)
+            if error is not None:
+                raise error
+            os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    storage.replace_whole(path, write)
+
+
+def _receive_header(src: int, group: object, tag: int, k: int) -> tuple[Tensor, Any]:
+    header = torch.zeros(2, dtype=torch.int64)
+    return header, dist.irecv(header, src, group=group, tag=_piece_tag(tag, k))
+
+
+def _piece_tag(tag: int, k: int) -> int:
+    if 2 * k + 2 >= _TAG_STRIDE:
+        raise ValueError(f"a replicated file has more than {_TAG_STRIDE // 2 - 1} pieces of {CHUNK_BYTES} bytes;"
+                         " raise replication.CHUNK_BYTES")
+    return tag + 2 * k + 1
+
+
+def _append(fd: int, piece: Tensor, offset: int) -> OSError | None:
+    """Write ``piece`` at ``offset``; the error (a full disk) instead of raising it, so receiving goes on."""
+    view = memoryview(piece.numpy()).cast("B")
+    try:
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as exc:
+        return exc
+    return None
+
+
+class Replicating:
+    """A file's exchange with its ring peers, under way on two threads (one sends, one receives) while
+    the file is still being written ([Note: streamed replication])."""
+
+    def __init__(self, tail: Tail, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
+                 target: Callable[[int], str]) -> None:
+        self.received: list[int] = []
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._send_all, tail, sends, group), daemon=True,
+                             name="lightning_zero-replicate-send"),
+            threading.Thread(target=self._run, args=(self._receive_all, target, receives, group), daemon=True,
+                             name="lightning_zero-replicate-receive"),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, work: Callable[..., None], *args: Any) -> None:
+        try:
+            work(*args)
+        except BaseException as exc:  # raised by join on the save's worker thread
+            self._errors.append(exc)
+
+    @staticmethod
+    def _send_all(tail: Tail, sends: Sequence[int | None], group: object) -> None:
+        for round_index, dst in enumerate(sends):
+            if dst is not None:
+                send_file(tail, dst, group, round_index * _TAG_STRIDE)
+
+    def _receive_all(self, target: Callable[[int], str], receives: Sequence[int | None], group: object) -> None:
+        for round_index, src in enumerate(receives):
+            if src is not None:
+                receive_file(target(src), src, group, round_index * _TAG_STRIDE)
+                self.received.append(src)
+
+    def join(self) -> list[int]:
+        """Wait for both directions; the sources whose files arrived. Raises the first failure."""
+        for thread in self._threads:
+            thread.join()
+        if self._errors:
+            raise self._errors[0]
+        return self.received
 
 
 def exchange_files(own_file: str, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
                    target: Callable[[int], str]) -> list[int]:
-    """(every rank of ``group``, in the same rounds) Send ``own_file`` to ``sends[i]`` while the file of
-    ``receives[i]`` arrives into ``target(source)`` (whole or not at all, fsynced), round by round.
-    Returns the sources whose files arrived."""
-    received = []
-    source = _mapped(own_file)
-    for round_index, (dst, src) in enumerate(zip(sends, receives)):
-        tag = round_index << 16
-        size_out = torch.tensor([source.numel()], dtype=torch.int64)
-        size_in = torch.zeros(1, dtype=torch.int64)
-        _wait([dist.isend(size_out, dst, group=group, tag=tag) if dst is not None else None,
-               dist.irecv(size_in, src, group=group, tag=tag) if src is not None else None])
-        outgoing = source if dst is not None else None
-        if src is None:
-            _transfer(outgoing, dst, [], None, group, tag)
-            continue
-        _receive_into(target(src), int(size_in), partial(_transfer, outgoing, dst, src=src, group=group, tag=tag))
-        received.append(src)
-    return received
+    """(every rank of ``group``, in the same rounds) Send the complete file ``own_file`` to ``sends[i]`` while
+    the file of ``receives[i]`` arrives into ``target(source)``. Returns the sources whose files arrived."""
+    return Replicating(Tail.whole(own_file), sends, receives, group, target).join()
 
 
 def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object, path_of: Callable[[str], str]) -> None:
@@ -74,74 +261,12 @@ def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object, pa
     order: the sender sends the file ``path_of(key)`` to the receiver, which writes it (whole) at its own
     ``path_of(key)``; the other ranks skip the entry."""
     for index, (sender, receiver, key) in enumerate(plan):
-        tag = index << 16
         if rank == sender:
-            source = _mapped(path_of(key))
-            dist.send(torch.tensor([source.numel()], dtype=torch.int64), receiver, group=group, tag=tag)
-            _transfer(source, receiver, [], None, group, tag)
+            send_file(Tail.whole(path_of(key)), receiver, group, index * _TAG_STRIDE)
         elif rank == receiver:
-            size_in = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size_in, sender, group=group, tag=tag)
-            _receive_into(path_of(key), int(size_in), partial(_transfer, None, None, src=sender, group=group, tag=tag))
-
-
-def _transfer(source: Tensor | None, dst: int | None, incoming: list[Tensor], src: int | None, group: object,
-              tag: int) -> None:
-    """Send ``source`` to ``dst`` in ``CHUNK_BYTES`` pieces while ``incoming``'s pieces are received from ``src``,
-    at most ``2 * PIECES_IN_FLIGHT`` in flight; piece k travels under ``tag + 1 + k`` both ways. The tensors
-    are file mappings ([Note: replication ring]): gloo reads from and writes into the page cache directly."""
-    outgoing = _pieces(source) if source is not None and dst is not None else []
-    in_flight: deque[Any] = deque()
-    try:
-        for k in range(max(len(outgoing), len(incoming))):
-            if k < len(outgoing):
-                in_flight.append(dist.isend(outgoing[k], dst, group=group, tag=tag + 1 + k))
-            if k < len(incoming):
-                in_flight.append(dist.irecv(incoming[k], src, group=group, tag=tag + 1 + k))
-            while len(in_flight) > 2 * PIECES_IN_FLIGHT:
-                in_flight.popleft().wait()
-    finally:
-        _wait(list(in_flight))
-
-
-def _pieces(tensor: Tensor) -> list[Tensor]:
-    return list(tensor.split(CHUNK_BYTES)) if tensor.numel() else []
-
-
-def _mapped(path: str) -> Tensor:
-    """A file's bytes as a uint8 tensor over a private read mapping of it (no copy in memory)."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-
-
-def _receive_into(path: str, size: int, receive: Callable[[list[Tensor]], None]) -> None:
-    """``receive(pieces)`` fills a file of ``size`` bytes, mapped shared from a temporary beside ``path`` that
-    then replaces ``path`` whole, fsynced (a marker that lists it is written after). If the temporary cannot
-    be made (a full disk), the pieces are still received, into one scratch piece, so that the sender is not
-    left waiting on this rank, and the error is raised."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-
-    def write(tmp: str) -> None:
-        try:
-            with open(tmp, "wb") as f:
-                if size:  # blocks taken now: a full disk is an OSError here, not a SIGBUS in a mapped write
-                    os.posix_fallocate(f.fileno(), 0, size)
-            target = torch.from_file(tmp, shared=True, size=size, dtype=torch.uint8) if size else None
-        except OSError:
-            scratch = torch.empty(min(size, CHUNK_BYTES), dtype=torch.uint8)
-            receive([scratch[: min(CHUNK_BYTES, size - start)] for start in range(0, size, CHUNK_BYTES)])
-            raise
-        receive(_pieces(target) if target is not None else [])
-        del target  # unmapped before the fsync
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-
-    storage.replace_whole(path, write)
+            receive_file(path_of(key), sender, group, index * _TAG_STRIDE)
 
 
 def _wait(requests: list[object]) -> None:
     for request in requests:
-        if request is not None:
-            request.wait()  # type: ignore[attr-defined]
+        request.wait()  # type: ignore[attr-defined]

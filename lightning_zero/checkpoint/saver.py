@@ -252,11 +252,11 @@ class _SaveJob:
             stats.staging_s = staging_done - started
         tier.run_local(self.state, self.team, self.error, self.tuning)
         if stats is not None:
-            stats.local_committed_after_s = time.perf_counter() - origin
+            stats.local_committed_after_s = tier.committed_at - origin
             stats.tier = "local"
         tier.replicate(self.team)
         if stats is not None:
-            stats.replicated_after_s = time.perf_counter() - origin
+            stats.replicated_after_s = tier.committed_at - origin
             stats.committed_after_s = stats.replicated_after_s
             stats.bytes_written = _bytes_written(self.state, "local", self.team.rank)
         if not tier.persist:

@@ -14,9 +14,10 @@ arrived ("replicated"). A file a marker does not list is never read, so a save k
 previous checkpoint of the tier as it was, and a partial replica unused.
 
 Call order of one tiered save (every rank, the save's worker thread, before the durable phases of
-``saver._SaveJob``): :meth:`TierSave.run_local` (exchange: version and places; write; exchange: errors;
-marker), :meth:`TierSave.replicate` (ring over nodes, [Note: replication ring] in replication.py; exchange:
-errors and what arrived; marker; retention).
+``saver._SaveJob``): :meth:`TierSave.run_local` (exchange: version and places; replication starts on its
+own threads ([Note: replication ring], [Note: streamed replication] in replication.py); write; exchange:
+errors; marker), :meth:`TierSave.replicate` (wait for the replication; exchange: errors and what arrived;
+marker; retention).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import string
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +151,8 @@ class TierSave:
     shard_group_size: int = 0
     runtime: TierRuntime | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    _replicating: replication.Replicating | None = None
+    committed_at: float = 0.0  # perf_counter when the newest phase committed (its marker written)
 
     def before_staging(self) -> None:
         """(worker thread, before this save stages) The previous save's kept copy is superseded."""
@@ -195,32 +199,49 @@ class TierSave:
                                       " data was written; the previous checkpoints are intact. " + "; ".join(errors))
         self.version_dir = self.loc.join(self.loc.data_root(), version)
         self.shard_group_size = shard_group_size_of(state, team.world_size) if state is not None else team.world_size
+        own = local.rank_file(self.version_dir, team.rank, team.world_size)
+        tail = replication.Tail(own)
+        self._replicating = self._start_replication(team, tail)  # on every rank that got here, whatever follows
         failure = None
         try:
             os.makedirs(self.version_dir, exist_ok=True)
-            local.write_local(state, self.loc, self.version_dir, team.rank, team.world_size, self.save_id, tuning)
+            local.write_local(state, self.loc, self.version_dir, team.rank, team.world_size, self.save_id, tuning,
+                              progress=tail.advance)
+            tail.finish(os.path.getsize(own))
         except Exception as exc:
+            tail.fail()
             failure = f"rank {team.rank}: {storage.storage_error(self.loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
-        self._commit_or_raise(team, failure, replicated=False)
+        try:
+            self._commit_or_raise(team, failure, replicated=False)
+        except BaseException:
+            with suppress(Exception):  # its threads end: every sender sent its file or said it failed
+                self._finish_replication()
+            raise
+
+    def _start_replication(self, team: Any, tail: replication.Tail) -> replication.Replicating | None:
+        """Start sending this rank's file to its ring peers, and receiving theirs, while it is written
+        ([Note: streamed replication] in replication.py); None when there is no other node."""
+        replicas = min(self.tier.replicas, len({p[2] for p in self.places}) - 1)
+        if replicas <= 0:
+            return None
+        sends, receives = replication.ring_peers(self.places, team.rank, replicas)
+        return replication.Replicating(tail, sends, receives, team.group,
+                                       lambda source: local.rank_file(self.version_dir, source, team.world_size))
+
+    def _finish_replication(self) -> list[int]:
+        replicating, self._replicating = self._replicating, None
+        return replicating.join() if replicating is not None else []
 
     def replicate(self, team: Any) -> list[int]:
-        """(every rank) Copy this rank's file to its ring peers on other nodes and commit the replicas each
-        node received; then apply the node's retention. Returns the ranks whose files this rank received."""
+        """(every rank) Wait for this rank's replication (started with the write) and commit the replicas
+        each node received; then apply the node's retention. Returns the ranks whose files this rank received."""
         assert self.loc is not None
-        nodes = sorted({p[2] for p in self.places})
-        replicas = min(self.tier.replicas, len(nodes) - 1)
         received: list[int] = []
         failure = None
-        if replicas > 0:
-            try:
-                own = local.rank_file(self.version_dir, team.rank, team.world_size)
-                sends, receives = replication.ring_peers(self.places, team.rank, replicas)
-
-                received = replication.exchange_files(
-                    own, sends, receives, team.group, lambda source: local.rank_file(self.version_dir, source,
-                                                                                     team.world_size))
-            except Exception as exc:
-                failure = f"rank {team.rank}: replicating to the other nodes failed ({type(exc).__name__}: {exc})"
+        try:
+            received = self._finish_replication()
+        except Exception as exc:
+            failure = f"rank {team.rank}: replicating to the other nodes failed ({type(exc).__name__}: {exc})"
         self._commit_or_raise(team, failure, replicated=True, received=received)
         return received
 
@@ -232,11 +253,15 @@ class TierSave:
         errors = [g[0] for g in gathered if g[0]]
         stage = "replicating to other nodes" if replicated else "writing to the local tier"
         if errors:
-            if not replicated and self._writes_marker(team.rank):
-                file_io.discard(self.loc, self.version_dir)
+            if not replicated:
+                with suppress(Exception):  # no replica is still being written into what is discarded
+                    self._finish_replication()
+                if self._writes_marker(team.rank):
+                    file_io.discard(self.loc, self.version_dir)
             raise CheckpointSaveError(f"Saving checkpoint {self.durable_url!r}: {stage} failed; the previous"
                                       " checkpoints of the tier are intact. " + "; ".join(errors))
         if not self._writes_marker(team.rank):
+            self.committed_at = time.perf_counter()
             return
         here = [r for r, p in enumerate(self.places) if p[:2] == self.places[team.rank][:2]]
         ranks = sorted(set(here) | {src for r in here for src in gathered[r][1]})
@@ -247,6 +272,7 @@ class TierSave:
         if self.shard_group_size != team.world_size:  # hybrid: as a durable `local` marker says it
             fields["shard_group_size"] = self.shard_group_size
         storage.write_marker(self.loc, fields, self.marker_fields)
+        self.committed_at = time.perf_counter()  # retention is no part of committing
         if replicated:
             storage.remove_stale_versions(self.loc, keep=self.version_dir)
             apply_retention(self.root, self.tier.keep)

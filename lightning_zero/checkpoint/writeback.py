@@ -8,7 +8,7 @@ import errno
 import io
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -77,10 +77,15 @@ class WritebackStream:
     The price: the waits, and a read of the checkpoint right after its save comes from the disk.
     Where every save reuses memory freed a second earlier (``bench/write_loop.py``'s back-to-back
     saves), keeping the pages is faster (``drop_behind=False``; BENCHMARKS.md). The file's last two
-    ranges stay cached (clean after the fsync)."""
+    ranges stay cached (clean after the fsync).
 
-    def __init__(self, raw: Any, every: int | None = None, drop_behind: bool | None = None) -> None:
+    ``progress``: called after each write with the offset below which the file's bytes are in the kernel
+    (Python's buffer flushed first), for a reader that follows the file as it grows."""
+
+    def __init__(self, raw: Any, every: int | None = None, drop_behind: bool | None = None,
+                 progress: Callable[[int], None] | None = None) -> None:
         self._raw = raw
+        self._progress = progress  # told the offset up to which the file's bytes are in the kernel
         self._every = DEFAULT_TUNING.writeback_bytes if every is None else every
         try:
             self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
@@ -101,6 +106,9 @@ class WritebackStream:
             _sync_file_range(self._fd, self._started, self._position - self._started, _SYNC_FILE_RANGE_WRITE)
             self._drop_behind(self._started)
             self._started = self._position
+        if self._progress is not None:  # [Note: streamed replication] in replication.py
+            self._raw.flush()
+            self._progress(self._position)
         return written
 
     def _drop_behind(self, end: int) -> None:

@@ -9,6 +9,7 @@ header (:mod:`~lightning_zero.checkpoint.integrity`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +35,11 @@ def rank_file(version_dir: str, rank: int, world_size: int) -> str:
 
 
 def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str,
-                tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
+                tuning: CheckpointTuning = DEFAULT_TUNING, progress: Callable[[int], None] | None = None) -> None:
+    """This rank's file; ``progress`` follows its bytes as they are written (a local tier's replication)."""
     encoded = encode_shards(state)
     encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
-    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning)
+    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress)
 
 
 def read_local(opened: OpenedCheckpoint, rank: int | None = None, shard_group_size: int | None = None,
