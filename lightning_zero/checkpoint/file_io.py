@@ -58,31 +58,38 @@ def discard(loc: Location, version_dir: str) -> None:
 
 
 def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
-                  whole: bool = False, progress: Callable[[int], None] | None = None) -> None:
+                  whole: bool = False, progress: Callable[[int], None] | None = None,
+                  recycle: Callable[[str], bool] | None = None) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
     Local disks: one file, fsynced; ``whole``: written under a temporary name and renamed, so it
     appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint is).
     Object stores: one multipart upload that completes at close; a partial upload left by a failure
-    is never referenced (the marker is written last). ``progress`` (local disks, not ``whole``): see
-    :class:`~lightning_zero.checkpoint.writeback.WritebackStream`.
+    is never referenced (the marker is written last). ``progress`` and ``recycle`` (local disks, not
+    ``whole``): see :func:`write_file`.
     """
     if loc.is_local and whole:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         storage.replace_whole(path, lambda tmp: write_file(loc, tmp, obj, tuning))
         return
-    write_file(loc, path, obj, tuning, progress)
+    write_file(loc, path, obj, tuning, progress, recycle)
 
 
 def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
-               progress: Callable[[int], None] | None = None) -> None:
-    """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`)."""
+               progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None) -> None:
+    """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`). Local disks:
+    ``progress`` is told how far the bytes are in the kernel (:class:`~lightning_zero.checkpoint.writeback.
+    WritebackStream`); ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after
+    ([Note: spare tier files] in tier_spares.py)."""
     if loc.is_local:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "wb") as f:
+        over = recycle is not None and recycle(path)
+        with open(path, "r+b" if over else "wb") as f:
             stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind,  # [Note: early writeback]
                                                progress)
             _save_keeping_write_errors(obj, stream)
+            if over:
+                f.truncate()
             f.flush()
             os.fsync(f.fileno())
     else:

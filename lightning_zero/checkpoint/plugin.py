@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import saver, tier_recovery
+from lightning_zero.checkpoint import saver, tier_recovery, tier_spares
 from lightning_zero.checkpoint.modes import Mode, validate_mode
 from lightning_zero.checkpoint.scheduler import CheckpointSaveError, checkpointer
 from lightning_zero.checkpoint.stats import SaveStats, TierLoad
@@ -188,6 +188,8 @@ class ZeroCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         self.finalize()
         self.persist_newest()
+        if self.local_tier is not None:  # [Note: spare tier files]
+            tier_spares.clear(self.local_tier.root(self._node_rank, self._local_rank))
 
     def persist_newest(self) -> bool:
         """(every rank) With a local tier: write the newest save that reached only the local tier to its

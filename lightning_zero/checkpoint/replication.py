@@ -133,17 +133,19 @@ def send_file(tail: Tail, dst: int, group: object, tag: int) -> None:
         _wait(list(in_flight))
 
 
-def receive_file(path: str, src: int, group: object, tag: int) -> None:
+def receive_file(path: str, src: int, group: object, tag: int, recycle: Callable[[str], bool] | None = None) -> None:
     """Receive the file ``src`` sends (:func:`send_file`) into ``path``, whole or not at all, fsynced.
     If the file cannot be written (a full disk), the rest is still received, so that the sender is not left
-    waiting, and the error is raised. Raises :class:`SourceFailed` if the sender's own write failed."""
+    waiting, and the error is raised. Raises :class:`SourceFailed` if the sender's own write failed.
+    ``recycle(tmp)`` may put an old file at the temporary's name to write over ([Note: spare tier files])."""
     def write(tmp: str) -> None:
         buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
         error: OSError | None = None
         fd = -1
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            over = recycle is not None and recycle(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | (0 if over else os.O_TRUNC), 0o644)
         except OSError as exc:
             error = exc  # the pieces are still received (and dropped)
         try:
@@ -173,6 +175,7 @@ def receive_file(path: str, src: int, group: object, tag: int) -> None:
                 error = _append(fd, *pending)
             if error is not None:
                 raise error
+            os.ftruncate(fd, offset)
             os.fsync(fd)
         finally:
             if fd >= 0:
@@ -210,7 +213,8 @@ class Replicating:
     the file is still being written ([Note: streamed replication])."""
 
     def __init__(self, tail: Tail, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
-                 target: Callable[[int], str]) -> None:
+                 target: Callable[[int], str], recycle: Callable[[str], bool] | None = None) -> None:
+        self._recycle = recycle
         self.received: list[int] = []
         self._errors: list[BaseException] = []
         self._threads = [
@@ -237,7 +241,7 @@ class Replicating:
     def _receive_all(self, target: Callable[[int], str], receives: Sequence[int | None], group: object) -> None:
         for round_index, src in enumerate(receives):
             if src is not None:
-                receive_file(target(src), src, group, round_index * _TAG_STRIDE)
+                receive_file(target(src), src, group, round_index * _TAG_STRIDE, self._recycle)
                 self.received.append(src)
 
     def join(self) -> list[int]:

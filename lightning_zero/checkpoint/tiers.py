@@ -34,7 +34,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zero.checkpoint import file_io, replication, storage
+from lightning_zero.checkpoint import file_io, replication, storage, tier_spares
 from lightning_zero.checkpoint.modes import local
 from lightning_zero.checkpoint.scheduler import CheckpointSaveError
 from lightning_zero.checkpoint.storage import Location
@@ -206,7 +206,7 @@ class TierSave:
         try:
             os.makedirs(self.version_dir, exist_ok=True)
             local.write_local(state, self.loc, self.version_dir, team.rank, team.world_size, self.save_id, tuning,
-                              progress=tail.advance)
+                              progress=tail.advance, recycle=self._claim_spare)
             tail.finish(os.path.getsize(own))
         except Exception as exc:
             tail.fail()
@@ -226,7 +226,11 @@ class TierSave:
             return None
         sends, receives = replication.ring_peers(self.places, team.rank, replicas)
         return replication.Replicating(tail, sends, receives, team.group,
-                                       lambda source: local.rank_file(self.version_dir, source, team.world_size))
+                                       lambda source: local.rank_file(self.version_dir, source, team.world_size),
+                                       recycle=self._claim_spare)
+
+    def _claim_spare(self, path: str) -> bool:
+        return tier_spares.claim(self.root, path)
 
     def _finish_replication(self) -> list[int]:
         replicating, self._replicating = self._replicating, None
@@ -274,8 +278,12 @@ class TierSave:
         storage.write_marker(self.loc, fields, self.marker_fields)
         self.committed_at = time.perf_counter()  # retention is no part of committing
         if replicated:
-            storage.remove_stale_versions(self.loc, keep=self.version_dir)
-            apply_retention(self.root, self.tier.keep)
+            limit = len(ranks)  # what one save writes into this directory ([Note: spare tier files])
+            data_root, version = self.loc.data_root(), os.path.basename(self.version_dir)
+            for entry in os.listdir(data_root):
+                if entry != version:  # older versions of this name: a failed save's, or one saved again
+                    tier_spares.retire(os.path.join(data_root, entry), self.root, limit)
+            apply_retention(self.root, self.tier.keep, limit)
 
     def _writes_marker(self, rank: int) -> bool:
         """The lowest rank of those sharing this rank's tier directory (same machine, same path)."""
@@ -310,11 +318,15 @@ def order_key(marker: dict[str, Any]) -> tuple[int, float]:
     return (tier.get("step") if isinstance(tier.get("step"), int) else -1, float(tier.get("seq", 0.0)))
 
 
-def apply_retention(root: str, keep: int) -> list[str]:
+def apply_retention(root: str, keep: int, spares: int = 0) -> list[str]:
     """Remove all but the ``keep`` newest committed checkpoints of a tier directory (called right after a
-    newer one committed, so the newest complete one is always among those kept). Returns what was removed."""
+    newer one committed, so the newest complete one is always among those kept), the marker first; up to
+    ``spares`` of their files stay as the tier's spares ([Note: spare tier files]). Returns what was removed."""
     removed = []
     for path, _ in tier_markers(root)[keep:]:
-        storage.remove(storage.resolve(path))
+        loc = storage.resolve(path)
+        with suppress(FileNotFoundError):
+            os.remove(loc.path)  # no longer a checkpoint
+        tier_spares.retire(loc.data_root(), root, spares)
         removed.append(path)
     return removed

@@ -35,11 +35,13 @@ def rank_file(version_dir: str, rank: int, world_size: int) -> str:
 
 
 def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str,
-                tuning: CheckpointTuning = DEFAULT_TUNING, progress: Callable[[int], None] | None = None) -> None:
-    """This rank's file; ``progress`` follows its bytes as they are written (a local tier's replication)."""
+                tuning: CheckpointTuning = DEFAULT_TUNING, progress: Callable[[int], None] | None = None,
+                recycle: Callable[[str], bool] | None = None) -> None:
+    """This rank's file; ``progress`` and ``recycle``: a local tier's (see file_io.write_file)."""
     encoded = encode_shards(state)
     encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
-    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress)
+    file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress,
+                          recycle=recycle)
 
 
 def read_local(opened: OpenedCheckpoint, rank: int | None = None, shard_group_size: int | None = None,
