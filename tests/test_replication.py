@@ -25,8 +25,15 @@ def _exchange_in_small_pieces(rank: int, world_size: int, root: str) -> list[tup
         with open(own, "wb") as f:
             f.write(_payload(rank, size))
         peer = (rank + 1) % world_size
+
+        def longer_old_file(tmp: str) -> bool:  # a spare to write over, longer than any file here
+            with open(tmp, "wb") as f:
+                f.write(b"\xff" * (4096 * 4))
+            return True
+
         arrived = replication.exchange_files(own, [peer], [(rank - 1) % world_size], group,
-                                             lambda source, size=size: os.path.join(root, f"got{rank}-from{source}-{size}"))
+                                             lambda source, size=size: os.path.join(root, f"got{rank}-from{source}-{size}"),
+                                             recycle=longer_old_file if size % 2 else None)
         source = (rank - 1) % world_size
         with open(os.path.join(root, f"got{rank}-from{source}-{size}"), "rb") as f:
             results.append((size, arrived == [source] and f.read() == _payload(source, size)))

@@ -254,10 +254,10 @@ class Replicating:
 
 
 def exchange_files(own_file: str, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
-                   target: Callable[[int], str]) -> list[int]:
+                   target: Callable[[int], str], recycle: Callable[[str], bool] | None = None) -> list[int]:
     """(every rank of ``group``, in the same rounds) Send the complete file ``own_file`` to ``sends[i]`` while
     the file of ``receives[i]`` arrives into ``target(source)``. Returns the sources whose files arrived."""
-    return Replicating(Tail.whole(own_file), sends, receives, group, target).join()
+    return Replicating(Tail.whole(own_file), sends, receives, group, target, recycle).join()
 
 
 def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object, path_of: Callable[[str], str]) -> None:
