@@ -154,3 +154,15 @@ def test_marker_of_a_local_tier_checkpoint_names_its_ranks_and_step(tmp_path):
     content = torch.load(tmp_path / "local" / "node0" / "epoch=0-step=1.ckpt", weights_only=True)
     tier = content[MARKER_KEY]["tier"]
     assert tier["ranks"] == [0] and tier["step"] == 1 and tier["replicated"]
+
+
+def test_persist_every_counts_checkpointed_steps_with_save_last(tmp_path):
+    # save_last=True saves twice a step (the step's file and last.ckpt): both count as one, and both persist
+    # together, so the durable last.ckpt is always the newest durable step.
+    trainer = _trainer(tmp_path, steps=4, persist_every=2, save_last=True)
+    trainer.fit(NetModule(), loader(4, 1, 1))
+    durable = sorted(p for p in os.listdir(tmp_path / "durable") if p.endswith(".ckpt"))
+    assert durable == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert torch.load(tmp_path / "durable" / "last.ckpt", weights_only=True)["global_step"] == 4  # the marker
+    local = [os.path.basename(p) for p, _ in tier_markers(str(tmp_path / "local" / "node0"))]
+    assert "last.ckpt" in local  # every save is on the local tier

@@ -101,10 +101,10 @@ class ZeroCheckpointIO(CheckpointIO):
             url = os.fspath(path)
             if url in self._tiers.deferred:
                 self._tiers.deferred.remove(url)  # saved again: its deferred removal would delete the new one
-            step = fields.get("global_step")
+            step = fields.get("global_step") if isinstance(fields.get("global_step"), int) else None
             tier = TierSave(self.local_tier, self.local_tier.root(self._node_rank, self._local_rank),
-                            os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(), self._node_rank,
-                            self._local_rank, step if isinstance(step, int) else None, dict(fields),
+                            os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(step), self._node_rank,
+                            self._local_rank, step, dict(fields),
                             runtime=self._tiers, storage_options=options)
             self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,

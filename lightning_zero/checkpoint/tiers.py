@@ -103,6 +103,8 @@ class TierRuntime:
     def __init__(self, persist_every: int) -> None:
         self.persist_every = persist_every
         self.saves = 0
+        self._counted_step: int | None = None
+        self._persists = False
         self.deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
         self.unpersisted: Unpersisted | None = None
         self.newest_submitted: tuple[str, bool] | None = None  # (durable path, persisted) of the newest save
@@ -111,10 +113,16 @@ class TierRuntime:
         """Whether the newest save was to ``url`` and goes to the durable path (``save_last="link"``)."""
         return self.newest_submitted is not None and self.newest_submitted == (url, True)
 
-    def next_persists(self) -> bool:
-        """(training thread, every rank alike) Count a save; whether it goes to the durable tier too."""
+    def next_persists(self, step: int | None = None) -> bool:
+        """(training thread, every rank alike) Count a save; whether it goes to the durable tier too. The saves
+        of one global step (``ModelCheckpoint``'s file and ``last.ckpt`` with ``save_last=True``) count once
+        and share the answer, so ``persist_every`` counts checkpointed steps."""
+        if step is not None and step == self._counted_step:
+            return self._persists
+        self._counted_step = step
         self.saves += 1
-        return self.saves % self.persist_every == 0
+        self._persists = self.saves % self.persist_every == 0
+        return self._persists
 
     def take_unpersisted(self) -> Unpersisted | None:
         kept, self.unpersisted = self.unpersisted, None
@@ -206,7 +214,8 @@ class TierSave:
         try:
             os.makedirs(self.version_dir, exist_ok=True)
             local.write_local(state, self.loc, self.version_dir, team.rank, team.world_size, self.save_id, tuning,
-                              progress=tail.advance, recycle=self._claim_spare)
+                              progress=tail.advance if self._replicating is not None else None,
+                              recycle=self._claim_spare)
             tail.finish(os.path.getsize(own))
         except Exception as exc:
             tail.fail()

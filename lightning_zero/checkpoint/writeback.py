@@ -41,6 +41,9 @@ def _load_sync_file_range() -> Any:
 
 _sync_file_range = _load_sync_file_range()
 
+PROGRESS_BYTES = 1 << 20
+"""A :class:`WritebackStream`'s ``progress`` is told at most once per this many bytes (a flush each time)."""
+
 
 class WritebackStream:
     """A local file being written, whose bytes the kernel starts writing to disk every ``every`` bytes
@@ -79,13 +82,15 @@ class WritebackStream:
     saves), keeping the pages is faster (``drop_behind=False``; BENCHMARKS.md). The file's last two
     ranges stay cached (clean after the fsync).
 
-    ``progress``: called after each write with the offset below which the file's bytes are in the kernel
-    (Python's buffer flushed first), for a reader that follows the file as it grows."""
+    ``progress``: called after a write once ``PROGRESS_BYTES`` more were written, with the offset below
+    which the file's bytes are in the kernel (Python's buffer flushed first), for a reader that follows the
+    file as it grows; the writer reports the end itself."""
 
     def __init__(self, raw: Any, every: int | None = None, drop_behind: bool | None = None,
                  progress: Callable[[int], None] | None = None) -> None:
         self._raw = raw
         self._progress = progress  # told the offset up to which the file's bytes are in the kernel
+        self._reported = 0
         self._every = DEFAULT_TUNING.writeback_bytes if every is None else every
         try:
             self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
@@ -106,9 +111,10 @@ class WritebackStream:
             _sync_file_range(self._fd, self._started, self._position - self._started, _SYNC_FILE_RANGE_WRITE)
             self._drop_behind(self._started)
             self._started = self._position
-        if self._progress is not None:  # [Note: streamed replication] in replication.py
-            self._raw.flush()
+        if self._progress is not None and self._position - self._reported >= PROGRESS_BYTES:
+            self._raw.flush()  # [Note: streamed replication] in replication.py
             self._progress(self._position)
+            self._reported = self._position
         return written
 
     def _drop_behind(self, end: int) -> None:

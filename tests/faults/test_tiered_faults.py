@@ -27,8 +27,9 @@ pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
 
 
 def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool, crash: bool,
-               kill_node1: str | None = None) -> str:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+               kill_node1: str | None = None, devices: int = 1) -> str:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+           "TIERED_DEVICES": str(devices)}
     env.pop("WORLD_SIZE", None)
     args = [sys.executable, os.path.join(TESTS, "tiered_node.py"), str(tmp_path / out), str(tmp_path / "durable"),
             str(tmp_path / "node{node_rank}"), str(steps), str(persist_every), str(int(resume)), str(int(crash))]
@@ -44,8 +45,8 @@ def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool,
     return "\n".join(logs)
 
 
-def _rank_files(root, rank: int) -> list[str]:
-    return glob.glob(f"{root}/_zero_data/*/*/rank{rank:05d}-of-00002.pt")
+def _rank_files(root, rank: int, world_size: int = 2) -> list[str]:
+    return glob.glob(f"{root}/_zero_data/*/*/rank{rank:05d}-of-{world_size:05d}.pt")
 
 
 @pytest.mark.slow
@@ -66,6 +67,27 @@ def test_a_node_that_lost_its_local_storage_resumes_from_the_replica_bit_exact(t
         assert torch.equal(second["params"][name], value), name
     assert "fetched their files" in log
     assert _rank_files(tmp_path / "node1", 1)  # node 1 holds its own file again
+
+
+@pytest.mark.slow
+def test_two_ranks_per_node_replicate_to_their_peers_and_resume_after_a_node_lost_its_storage(tmp_path):
+    # 2 nodes x 2 ranks: rank l of node 0 sends to rank l of node 1 and back; each node's directory is shared
+    # by its two ranks (one marker, written by its lowest rank), and ends up holding all four files.
+    _two_nodes(tmp_path, "first.pt", steps=3, persist_every=10, resume=False, crash=True, devices=2)
+    for node in (0, 1):
+        markers = tier_markers(str(tmp_path / f"node{node}"))
+        newest = markers[0][1]["tier"]
+        assert newest["ranks"] == [0, 1, 2, 3] and newest["replicated"] and newest["step"] == 3
+        assert len(markers) == 2  # keep=2
+        for rank in range(4):
+            assert len(_rank_files(tmp_path / f"node{node}", rank, 4)) == 2  # in each kept checkpoint
+    shutil.rmtree(tmp_path / "node1")  # node 1 (ranks 2 and 3) lost its local storage
+    log = _two_nodes(tmp_path, "second.pt", steps=3, persist_every=10, resume=True, crash=False, devices=2)
+    first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
+    assert second["tier"] == "local" and second["step"] == 3, log
+    for name, value in first["params"].items():
+        assert torch.equal(second["params"][name], value), name
+    assert "rank(s) [2, 3] fetched their files" in log
 
 
 @pytest.mark.slow
