@@ -6,7 +6,7 @@ Usage: NODE_RANK=<0|1> MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> python tiered_no
 Saves every step (the local tier of each node is LOCAL_PATTERN with {node_rank}); CRASH=1 leaves like a node
 that dies after its last save committed (before fit's end persists it); RESUME=1 fits with ckpt_path="last".
 TIERED_KILL=<replication|persist>:<n> kills this node in the n-th save's replication or durable write.
-TIERED_DEVICES=<n> (default 1): ranks per node.
+TIERED_DEVICES=<n> (default 1): ranks per node. TIERED_SHARD_GROUP=<n>: hybrid sharding (shard_group_size).
 Rank 0 writes the parameters after each step to OUT.step<N>.
 """
 
@@ -87,7 +87,8 @@ if __name__ == "__main__":
         callbacks.append(CrashAfterLastSave(out))
     devices = int(os.environ.get("TIERED_DEVICES", "1"))
     trainer = Trainer(
-        accelerator="cpu", devices=devices, num_nodes=2, strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005),
+        accelerator="cpu", devices=devices, num_nodes=2, strategy=ZeroLowLevelStrategy(stage=2, bucket_size_mb=0.0005, **(
+            {"shard_group_size": int(os.environ["TIERED_SHARD_GROUP"])} if os.environ.get("TIERED_SHARD_GROUP") else {})),
         plugins=[io], max_steps=int(steps), logger=False, use_distributed_sampler=False, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False,
     )

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
 
 
 def _two_nodes(tmp_path, out: str, steps: int, persist_every: int, resume: bool, crash: bool,
-               kill_node1: str | None = None, devices: int = 1) -> str:
+               kill_node1: str | None = None, devices: int = 1, shard_group_size: int | None = None) -> str:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
-           "TIERED_DEVICES": str(devices)}
+           "TIERED_DEVICES": str(devices), **({"TIERED_SHARD_GROUP": str(shard_group_size)} if shard_group_size else {})}
     env.pop("WORLD_SIZE", None)
     args = [sys.executable, os.path.join(TESTS, "tiered_node.py"), str(tmp_path / out), str(tmp_path / "durable"),
             str(tmp_path / "node{node_rank}"), str(steps), str(persist_every), str(int(resume)), str(int(crash))]
@@ -70,19 +70,25 @@ def test_a_node_that_lost_its_local_storage_resumes_from_the_replica_bit_exact(t
 
 
 @pytest.mark.slow
-def test_two_ranks_per_node_replicate_to_their_peers_and_resume_after_a_node_lost_its_storage(tmp_path):
+@pytest.mark.parametrize("shard_group_size", [None, 2], ids=["flat", "hybrid"])
+def test_two_ranks_per_node_replicate_to_their_peers_and_resume_after_a_node_lost_its_storage(tmp_path,
+                                                                                             shard_group_size):
     # 2 nodes x 2 ranks: rank l of node 0 sends to rank l of node 1 and back; each node's directory is shared
-    # by its two ranks (one marker, written by its lowest rank), and ends up holding all four files.
-    _two_nodes(tmp_path, "first.pt", steps=3, persist_every=10, resume=False, crash=True, devices=2)
+    # by its two ranks (one marker, written by its lowest rank), and ends up holding all four files. Hybrid:
+    # sharded within each node (shard_group_size=2), replicated across the two.
+    _two_nodes(tmp_path, "first.pt", steps=3, persist_every=10, resume=False, crash=True, devices=2,
+               shard_group_size=shard_group_size)
     for node in (0, 1):
         markers = tier_markers(str(tmp_path / f"node{node}"))
         newest = markers[0][1]["tier"]
         assert newest["ranks"] == [0, 1, 2, 3] and newest["replicated"] and newest["step"] == 3
         assert len(markers) == 2  # keep=2
+        assert markers[0][1].get("shard_group_size") == shard_group_size
         for rank in range(4):
             assert len(_rank_files(tmp_path / f"node{node}", rank, 4)) == 2  # in each kept checkpoint
     shutil.rmtree(tmp_path / "node1")  # node 1 (ranks 2 and 3) lost its local storage
-    log = _two_nodes(tmp_path, "second.pt", steps=3, persist_every=10, resume=True, crash=False, devices=2)
+    log = _two_nodes(tmp_path, "second.pt", steps=3, persist_every=10, resume=True, crash=False, devices=2,
+                     shard_group_size=shard_group_size)
     first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
     assert second["tier"] == "local" and second["step"] == 3, log
     for name, value in first["params"].items():
