@@ -489,6 +489,7 @@ class MethodResult:
     unsharded_state_bytes: int
     leftover_turns: int  # turns after which background work still ran (the most on any rank)
     pool_bytes: int = 0  # zero1/zero2: the pool's slots while a backward or the step's gathers run (max rank)
+    resident_shared_bytes: list[int] = dataclasses.field(default_factory=list)  # per rank, in the shared processes
     vs_ddp: float = float("nan")  # set once DDP's result is known
 
     @property
@@ -624,6 +625,39 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
     )
 
 
+def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: str) -> list[int]:
+    """Runs on every rank of fresh processes: what ``name`` keeps resident between steps when it is the only
+    method the processes ever built. Per rank, to rank 0.
+
+    [Note: resident in own processes] All methods run in the same processes, so that their step times are
+    paired within rounds. Their resident memory must not be measured there: a method built after others
+    reuses heap that glibc kept from theirs (freed, not returned, see BENCHMARKS.md) and grows the RSS by
+    less than it holds, so the figure depended on the order (DeepSpeed ZeRO-1: 143 MiB built first, 100 MiB
+    after ZeRO-1). Each method's resident memory is measured in processes of its own instead, after the
+    one-time costs every training process pays (autograd's engine, gloo's first buffers, DeepSpeed's
+    communication setup for the peers) and before its one step, as a user's job would hold it."""
+    batches = make_batches(settings, rank, 2)
+    if settings.peers:
+        import deepspeed  # as in bench_world: its import and communication setup are no method's memory
+
+        deepspeed.init_distributed(dist_backend=BACKEND)
+    warm = nn.Linear(8, 8)  # one-time costs of any training process: autograd's engine, gloo's first buffers
+    warm(torch.ones(2, 8)).sum().backward()
+    dist.all_reduce(torch.ones(8))
+    del warm
+    release_free_memory()
+    dist.barrier()
+    before = rss_bytes()
+    method = build_method(name, settings)
+    train_step(method, batches[0])
+    method.finish()
+    release_free_memory()
+    grown = rss_bytes() - before
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, grown)
+    return per_rank
+
+
 def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[MethodResult]:
     """Runs on every rank: all methods, interleaved round by round ([Note: interleaving])."""
     rounds = settings.warmup_rounds + settings.timed_rounds
@@ -639,7 +673,8 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
     for name in names:
         # What a method keeps resident: its model, gradients, optimizer state and buffers after
         # one step (the first warm-up step), as RSS growth in a process where the methods built
-        # before it are alive and their freed memory was handed back.
+        # before it are alive and their freed memory was handed back. The report's figure is
+        # resident_alone's; this one is kept beside it ([Note: resident in own processes]).
         release_free_memory()
         dist.barrier()
         before = rss_bytes()
@@ -719,9 +754,10 @@ def formula_bytes(method: str, numel: int, world_size: int) -> float:
 def memory_table(results: list[MethodResult]) -> list[str]:
     lines = [
         "| world size | method | ZeRO-paper model states | formula MiB | resident MiB/rank (max) | resident / formula "
+        "| in shared processes MiB "
         "| forward peak MiB | backward peak MiB | step peak MiB | resident + highest phase peak MiB "
         "| of the step, gathers alone MiB | pool during a step MiB |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         numel = r.param_bytes // 4
@@ -730,6 +766,7 @@ def memory_table(results: list[MethodResult]) -> list[str]:
         lines.append(
             f"| {r.world_size} | {r.method} | {FORMULA_TEXT[r.method]} | {formula / MIB:.1f} "
             f"| {max(r.resident_bytes) / MIB:.1f} | {max(r.resident_bytes) / formula:.2f} "
+            f"| {max(r.resident_shared_bytes or [0]) / MIB:.1f} "
             f"| {peak['forward'] / MIB:.1f} | {peak['backward'] / MIB:.1f} | {peak['step'] / MIB:.1f} "
             f"| {(max(r.resident_bytes) + max(peak['forward'], peak['backward'], peak['step'])) / MIB:.1f} "
             + (f"| {peak['gather'] / MIB:.1f} | {r.pool_bytes / MIB:.1f} |" if r.method.startswith("zero")
@@ -741,8 +778,9 @@ def memory_table(results: list[MethodResult]) -> list[str]:
 MEMORY_NOTE = (
     "Memory is measured, per rank, as resident set size (Linux /proc/self/status). *resident*: RSS"
     " added by building the method (a fresh model) and running its first step, after `gc` and"
-    " `malloc_trim`, in the process where the methods built before it stay alive (the largest rank"
-    " shown). *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
+    " `malloc_trim`, in fresh processes that build no other method (the largest rank shown; [Note:"
+    " resident in own processes] in the script); *in shared processes*: the same growth measured"
+    " where the methods built before it stay alive, as earlier reports gave it. *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
     " the start of the phase, minus the RSS at that start, in one extra untimed step; the step"
     " phase includes finishing the overlapped parameter gathers and the inner AdamW, whose foreach"
     " implementation allocates temporaries the size of what it steps (the shard for ZeRO, the whole"
@@ -1099,6 +1137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"world size {ws}: {len(methods_for(ws, settings.methods, settings.peers))} methods, {settings.timed_rounds} timed"
               f" rounds of {settings.steps_per_turn} steps", flush=True)
         world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
+        for r in world:  # [Note: resident in own processes]
+            r.resident_shared_bytes, r.resident_bytes = r.resident_bytes, run_on_ranks(resident_alone, ws, settings,
+                                                                                          r.method)
         by_name = {r.method: r for r in world}
         for r in world:
             r.vs_ddp = paired_ratio(r, by_name["ddp"])
