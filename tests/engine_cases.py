@@ -613,6 +613,24 @@ def live_storage_bytes(exclude: list[torch.Tensor]) -> dict[int, int]:
     return found
 
 
+def settled_storage_bytes(exclude: list[torch.Tensor], seconds: float = 2.0) -> dict[int, int]:
+    """:func:`live_storage_bytes` once two counts 20 ms apart agree (within ``seconds``). gloo's worker thread
+    drops its reference to a finished collective's tensors a moment after ``wait()`` returns, so a count
+    taken at once may still see the last gathers' pool slots, which are freed by then; memory that is really
+    kept is counted by every try."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    found = live_storage_bytes(exclude)
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        again = live_storage_bytes(exclude)
+        if again == found:
+            break
+        found = again
+    return found
+
+
 def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none: bool, release: bool = True,
                              steps: int = 3) -> dict[str, Any]:
     """Every tensor storage alive after each ``zero_grad`` (the model's own parameters and buffers
@@ -635,7 +653,7 @@ def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none
         opt.zero_grad(set_to_none=set_to_none)
         engine.finish_param_gather()
         del x, y
-        live = live_storage_bytes(own)
+        live = settled_storage_bytes(own)
         masters = {b.master_shard.untyped_storage().data_ptr() for b in engine.buckets}
         state = {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor)}
