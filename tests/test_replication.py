@@ -12,6 +12,11 @@ from lightning_zero.checkpoint import replication
 _SIZES = (0, 1, 7, 4096, 4096 * 3 + 5)  # empty, one byte, under one piece, exactly one, several with a tail
 
 
+def _exchange(own: str, sends: list[int], receives: list[int], group: object, target, recycle=None) -> list[int]:
+    """A complete file sent and received in the same rounds, as a tiered save runs it once its file is written."""
+    return replication.Replicating(replication.Tail.whole(own), sends, receives, group, target, recycle).join()
+
+
 def _payload(rank: int, size: int) -> bytes:
     return bytes((rank * 31 + i * 7) % 251 for i in range(size))
 
@@ -31,7 +36,7 @@ def _exchange_in_small_pieces(rank: int, world_size: int, root: str) -> list[tup
                 f.write(b"\xff" * (4096 * 4))
             return True
 
-        arrived = replication.exchange_files(own, [peer], [(rank - 1) % world_size], group,
+        arrived = _exchange(own, [peer], [(rank - 1) % world_size], group,
                                              lambda source, size=size: os.path.join(root, f"got{rank}-from{source}-{size}"),
                                              recycle=longer_old_file if size % 2 else None)
         source = (rank - 1) % world_size
@@ -69,7 +74,7 @@ def _receiver_disk_full(rank: int, world_size: int, root: str) -> tuple[str, lis
 
         replication.os.pwrite = full  # type: ignore[assignment]
     try:
-        replication.exchange_files(own, [1 - rank], [1 - rank], group, lambda source: os.path.join(root, f"got{rank}"))
+        _exchange(own, [1 - rank], [1 - rank], group, lambda source: os.path.join(root, f"got{rank}"))
         outcome = "ok"
     except OSError as exc:
         outcome = f"OSError: {exc}"
@@ -87,7 +92,6 @@ def test_a_receiver_with_a_full_disk_raises_and_its_sender_is_not_left_waiting(t
 def _stream_while_writing(rank: int, world_size: int, root: str) -> tuple[bool, bool, list[str]]:
     """Rank 0 writes its file in three steps and waits, after the second, until rank 1 has a piece of it on
     disk: only a sender that sends pieces before the file is whole lets it go on."""
-    import threading
     import time
 
     replication.CHUNK_BYTES = 4096
@@ -161,3 +165,46 @@ def test_a_sender_whose_write_fails_leaves_no_replica(tmp_path):
     assert sender[0] == "sent"
     assert receiver[0].startswith("SourceFailed") and "rank 0" in receiver[0]
     assert receiver[1] == []  # no partial replica, no temporary
+
+
+def _first_round_fails_on_rank_1(rank: int, world_size: int, root: str) -> tuple[str, list[int]]:
+    """Three ranks, two replicas each: rank 1 cannot write the file of round 1; it still takes round 2's."""
+    import errno
+
+    replication.CHUNK_BYTES = 4096
+    group = dist.new_group(backend="gloo")
+    own = os.path.join(root, f"own{rank}")
+    with open(own, "wb") as f:
+        f.write(_payload(rank, 4096 * 2 + 3))
+    calls = []
+
+    def full_once(tmp: str) -> bool:
+        calls.append(tmp)
+        if rank == 1 and len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return False
+
+    sends = [(rank + 1) % world_size, (rank + 2) % world_size]
+    receives = [(rank - 1) % world_size, (rank - 2) % world_size]
+    replicating = replication.Replicating(replication.Tail.whole(own), sends, receives, group,
+                                          lambda source: os.path.join(root, f"got{rank}-from{source}"), full_once)
+    try:
+        outcome = f"arrived {replicating.join()}"
+    except OSError as exc:
+        outcome = f"OSError: {exc}"
+    dist.barrier(group)
+    whole = []
+    for source in receives:
+        path = os.path.join(root, f"got{rank}-from{source}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                whole.append(source if f.read() == _payload(source, 4096 * 2 + 3) else -1)
+    return outcome, whole
+
+
+def test_a_failed_round_does_not_stop_the_next_ones(tmp_path):
+    results = run_distributed(_first_round_fails_on_rank_1, 3, str(tmp_path))
+    assert results[0] == ("arrived [2, 1]", [2, 1])
+    assert results[1][0].startswith("OSError") and "No space left" in results[1][0]
+    assert results[1][1] == [2]  # round 1 (from rank 0) failed; round 2 (from rank 2) arrived whole
+    assert results[2] == ("arrived [1, 0]", [1, 0])

@@ -214,35 +214,31 @@ class Replicating:
 
     def __init__(self, tail: Tail, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
                  target: Callable[[int], str], recycle: Callable[[str], bool] | None = None) -> None:
-        self._recycle = recycle
         self.received: list[int] = []
         self._errors: list[BaseException] = []
+        def receive(src: int, tag: int) -> None:
+            receive_file(target(src), src, group, tag, recycle)
+            self.received.append(src)
+
         self._threads = [
-            threading.Thread(target=self._run, args=(self._send_all, tail, sends, group), daemon=True,
-                             name="lightning_zero-replicate-send"),
-            threading.Thread(target=self._run, args=(self._receive_all, target, receives, group), daemon=True,
+            threading.Thread(target=self._run, args=(lambda dst, tag: send_file(tail, dst, group, tag), sends),
+                             daemon=True, name="lightning_zero-replicate-send"),
+            threading.Thread(target=self._run, args=(receive, receives), daemon=True,
                              name="lightning_zero-replicate-receive"),
         ]
         for thread in self._threads:
             thread.start()
 
-    def _run(self, work: Callable[..., None], *args: Any) -> None:
-        try:
-            work(*args)
-        except BaseException as exc:  # raised by join on the save's worker thread
-            self._errors.append(exc)
-
-    @staticmethod
-    def _send_all(tail: Tail, sends: Sequence[int | None], group: object) -> None:
-        for round_index, dst in enumerate(sends):
-            if dst is not None:
-                send_file(tail, dst, group, round_index * _TAG_STRIDE)
-
-    def _receive_all(self, target: Callable[[int], str], receives: Sequence[int | None], group: object) -> None:
-        for round_index, src in enumerate(receives):
-            if src is not None:
-                receive_file(target(src), src, group, round_index * _TAG_STRIDE, self._recycle)
-                self.received.append(src)
+    def _run(self, work: Callable[[int, int], None], peers: Sequence[int | None]) -> None:
+        """Every round, whatever an earlier one did: a peer of a later round waits for this rank's part
+        in it. The errors are raised by :meth:`join`, on the save's worker thread."""
+        for round_index, peer in enumerate(peers):
+            if peer is None:
+                continue
+            try:
+                work(peer, round_index * _TAG_STRIDE)
+            except BaseException as exc:
+                self._errors.append(exc)
 
     def join(self) -> list[int]:
         """Wait for both directions; the sources whose files arrived. Raises the first failure."""
@@ -251,13 +247,6 @@ class Replicating:
         if self._errors:
             raise self._errors[0]
         return self.received
-
-
-def exchange_files(own_file: str, sends: Sequence[int | None], receives: Sequence[int | None], group: object,
-                   target: Callable[[int], str], recycle: Callable[[str], bool] | None = None) -> list[int]:
-    """(every rank of ``group``, in the same rounds) Send the complete file ``own_file`` to ``sends[i]`` while
-    the file of ``receives[i]`` arrives into ``target(source)``. Returns the sources whose files arrived."""
-    return Replicating(Tail.whole(own_file), sends, receives, group, target, recycle).join()
 
 
 def send_plan(plan: Sequence[tuple[int, int, str]], rank: int, group: object, path_of: Callable[[str], str]) -> None:

@@ -28,6 +28,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import fsspec
@@ -341,14 +342,15 @@ def version_dir_of(loc: Location, marker: dict[str, Any]) -> str:
     return loc.join(loc.data_root(), data)  # markers of version 1
 
 
-def remove(loc: Location) -> None:
-    """Delete a checkpoint: the marker first (so it stops being one), then its data."""
+def remove(loc: Location, discard: Callable[[str], None] | None = None) -> None:
+    """Delete a checkpoint: the marker first (so it stops being one), then its data (``discard(directory)``
+    instead of deleting it, where given: a local tier keeps the files as spares)."""
     try:
         if loc.fs.exists(loc.path):
             loc.fs.rm(loc.path, recursive=loc.fs.isdir(loc.path))
         root = loc.data_root()
         if loc.fs.exists(root):
-            loc.fs.rm(root, recursive=True)
+            (discard or partial(loc.fs.rm, recursive=True))(root)
     except Exception as exc:
         raise storage_error(loc, "remove", exc) from exc
 
@@ -369,13 +371,14 @@ def link(target: Location, link: Location) -> None:
         raise storage_error(link, "link", exc) from exc
 
 
-def remove_stale_versions(loc: Location, keep: str) -> None:
-    """Delete data versions other than the committed one (after a commit, or left by a failed save)."""
+def remove_stale_versions(loc: Location, keep: str, discard: Callable[[str], None] | None = None) -> None:
+    """Delete data versions other than the committed one (after a commit, or left by a failed save);
+    ``discard(directory)`` as in :func:`remove`."""
     root = loc.data_root()
     try:
         for entry in loc.fs.ls(root, detail=False):
             if entry.rstrip("/").rsplit("/", 1)[-1] != keep.rstrip("/").rsplit("/", 1)[-1]:
-                loc.fs.rm(entry, recursive=True)
+                (discard or partial(loc.fs.rm, recursive=True))(entry)
     except FileNotFoundError:
         pass
 

@@ -288,10 +288,8 @@ class TierSave:
         self.committed_at = time.perf_counter()  # retention is no part of committing
         if replicated:
             limit = len(ranks)  # what one save writes into this directory ([Note: spare tier files])
-            data_root, version = self.loc.data_root(), os.path.basename(self.version_dir)
-            for entry in os.listdir(data_root):
-                if entry != version:  # older versions of this name: a failed save's, or one saved again
-                    tier_spares.retire(os.path.join(data_root, entry), self.root, limit)
+            storage.remove_stale_versions(self.loc, keep=self.version_dir,
+                                          discard=lambda tree: tier_spares.retire(tree, self.root, limit))
             apply_retention(self.root, self.tier.keep, limit)
 
     def _writes_marker(self, rank: int) -> bool:
@@ -333,9 +331,6 @@ def apply_retention(root: str, keep: int, spares: int = 0) -> list[str]:
     ``spares`` of their files stay as the tier's spares ([Note: spare tier files]). Returns what was removed."""
     removed = []
     for path, _ in tier_markers(root)[keep:]:
-        loc = storage.resolve(path)
-        with suppress(FileNotFoundError):
-            os.remove(loc.path)  # no longer a checkpoint
-        tier_spares.retire(loc.data_root(), root, spares)
+        storage.remove(storage.resolve(path), discard=lambda tree: tier_spares.retire(tree, root, spares))
         removed.append(path)
     return removed

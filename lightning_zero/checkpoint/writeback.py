@@ -90,7 +90,6 @@ class WritebackStream:
                  progress: Callable[[int], None] | None = None) -> None:
         self._raw = raw
         self._progress = progress  # told the offset up to which the file's bytes are in the kernel
-        self._reported = 0
         self._every = DEFAULT_TUNING.writeback_bytes if every is None else every
         try:
             self._fd: int | None = raw.fileno() if _sync_file_range is not None else None
@@ -99,6 +98,7 @@ class WritebackStream:
             self._fd, start = None, 0
         self._position = start  # file offset after what was written through this wrapper
         self._started = start  # up to here writeback has been started
+        self._reported = start  # up to here ``progress`` was told
         self._dropped = start  # up to here the pages were dropped from the page cache
         self._drop = DEFAULT_TUNING.drop_behind if drop_behind is None else drop_behind
 
