@@ -625,6 +625,19 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
     )
 
 
+def build_measured(name: str, settings: BenchSettings, batch: tuple[Tensor, Tensor]) -> tuple[Method, int]:
+    """(every rank) Build ``name`` and run its first step: the method, and the RSS it added (after `gc` and
+    `malloc_trim` on both sides)."""
+    release_free_memory()
+    dist.barrier()
+    before = rss_bytes()
+    method = build_method(name, settings)
+    train_step(method, batch)
+    method.finish()
+    release_free_memory()
+    return method, rss_bytes() - before
+
+
 def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: str) -> list[int]:
     """Runs on every rank of fresh processes: what ``name`` keeps resident between steps when it is the only
     method the processes ever built. Per rank, to rank 0.
@@ -645,14 +658,7 @@ def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: st
     warm(torch.ones(2, 8)).sum().backward()
     dist.all_reduce(torch.ones(8))
     del warm
-    release_free_memory()
-    dist.barrier()
-    before = rss_bytes()
-    method = build_method(name, settings)
-    train_step(method, batches[0])
-    method.finish()
-    release_free_memory()
-    grown = rss_bytes() - before
+    _, grown = build_measured(name, settings, batches[0])
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, grown)
     return per_rank
@@ -675,14 +681,7 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
         # one step (the first warm-up step), as RSS growth in a process where the methods built
         # before it are alive and their freed memory was handed back. The report's figure is
         # resident_alone's; this one is kept beside it ([Note: resident in own processes]).
-        release_free_memory()
-        dist.barrier()
-        before = rss_bytes()
-        methods[name] = build_method(name, settings)
-        train_step(methods[name], batches[0])
-        methods[name].finish()
-        release_free_memory()
-        resident[name] = rss_bytes() - before
+        methods[name], resident[name] = build_measured(name, settings, batches[0])
     phase_seconds: dict[str, list[list[float]]] = {name: [] for name in names}
     leftover_turns = dict.fromkeys(names, 0)
     for round_index in range(rounds):
