@@ -31,28 +31,28 @@ def has_native_reduce_scatter(group: dist.ProcessGroup | None) -> bool:
     return "gloo" not in dist.get_backend(group)
 
 
-def gathers_through_a_copy(group: dist.ProcessGroup | None) -> bool:
-    """True where an all-gather first writes a flat temporary of its whole output and then
-    copies it into the output (gloo: ``newLikeFlat`` in ProcessGroupGloo's allgather); see
-    :func:`all_gather_in_pieces`."""
+def gathers_by_broadcasts(group: dist.ProcessGroup | None) -> bool:
+    """True where an all-gather goes through a flat temporary of its whole output (gloo:
+    ``newLikeFlat`` in ProcessGroupGloo's allgather), so :func:`all_gather_by_broadcasts` is used."""
     return "gloo" in dist.get_backend(group)
 
 
-GLOO_GATHER_PIECE_NUMEL = 1 << 20
-"""Output elements per all-gather in :func:`all_gather_in_pieces` (4 MiB of fp32)."""
+def all_gather_by_broadcasts(output_rows: Tensor, input: Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather ``input`` (``[n]``) into ``output_rows`` (``[world_size, n]``): row ``r`` is group
+    rank ``r``'s input, each row broadcast in place from its rank, one after another, every wait bounded.
 
-
-def all_gather_in_pieces(output_rows: Tensor, input: Tensor, group: dist.ProcessGroup | None,
-                         piece_numel: int = GLOO_GATHER_PIECE_NUMEL) -> None:
-    """Synchronously all-gather ``input`` (``[n]``) into ``output_rows`` (``[world_size, n]``),
-    column range by column range, so gloo's flat temporary holds ``piece_numel`` elements instead
-    of the whole output: with whole buckets each gather in flight would cost a second bucket."""
-    world_size, n = output_rows.shape
-    step = max(1, piece_numel // world_size)
-    for start in range(0, n, step):
-        end = min(n, start + step)
-        # Row slices of a row-major buffer are contiguous, as all_gather's outputs must be.
-        dist.all_gather(list(output_rows[:, start:end].unbind(0)), input[start:end], group=group)
+    [Note: gloo all-gather] gloo's all-gather allocates a flat temporary of its whole output on its
+    worker thread, gathers into it and copies it out. That costs a copy of the output and an allocation
+    in the worker thread's malloc arena, whose freed top glibc keeps resident (``malloc_trim`` trims only
+    the main arena's top): 8-16 MiB per rank stayed resident between steps at 2-4 ranks. A broadcast
+    writes into its tensor, allocates nothing, and moves the same bytes (each rank sends its row to every
+    other). bench/engine.py measures both (BENCHMARKS.md). Every rank runs the same broadcasts in the
+    same order, so the calls match on every rank."""
+    world_size = output_rows.shape[0]
+    output_rows[dist.get_rank(group)].copy_(input)
+    for source in range(world_size):
+        src = dist.get_global_rank(group, source) if group is not None else source
+        wait(dist.broadcast(output_rows[source], src=src, group=group, async_op=True))
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:

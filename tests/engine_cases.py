@@ -58,9 +58,9 @@ class Case:
     overlap_param_gather: bool = True
     reduce_dtype: str | None = None
     native_reduce_scatter: bool = False
-    gather_piece_numel: int | None = None
-    """Gather gloo buckets in pieces of this many output elements (see all_gather_in_pieces)."""
     """Take the reduce-scatter path of NCCL (gloo runs it too, only slower than its all-reduce)."""
+    native_all_gather: bool = False
+    """Take the all-gather path of NCCL (gloo runs it too; it gathers by broadcasts: [Note: gloo all-gather])."""
     shard_group_size: int | None = None
     """Hybrid sharding: shard within groups of this many ranks (None: the whole world)."""
     skip_branch_at: tuple[tuple[int, int], ...] = ()
@@ -122,13 +122,14 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     native = mock.patch.object(comm, "has_native_reduce_scatter", return_value=True)
-    pieces = mock.patch.object(comm, "GLOO_GATHER_PIECE_NUMEL", case.gather_piece_numel or comm.GLOO_GATHER_PIECE_NUMEL)
-    with native if case.native_reduce_scatter else contextlib.nullcontext(), pieces:
+    gather = mock.patch.object(comm, "gathers_by_broadcasts", return_value=False)
+    with native if case.native_reduce_scatter else contextlib.nullcontext(), \
+            gather if case.native_all_gather else contextlib.nullcontext():
         engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
                             ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
                                        case.reduce_dtype, case.shard_group_size))
     assert engine.reducer.reduce_scatter == case.native_reduce_scatter
-    assert engine.gatherer.piece_numel == (case.gather_piece_numel or comm.GLOO_GATHER_PIECE_NUMEL)
+    assert engine.gatherer.by_broadcasts == (not case.native_all_gather)
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):
@@ -427,23 +428,29 @@ def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) ->
     def storage(t: torch.Tensor) -> tuple[int, int]:
         return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
-    originals = comm.all_gather, comm.all_reduce, comm.reduce_scatter
+    originals = comm.all_gather, comm.all_reduce, comm.reduce_scatter, comm.all_gather_by_broadcasts
 
     recording = [False]  # from step 1 on: step 0 grows the pool's slots to the largest bucket
 
-    def all_gather(output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+    def record(kind: str, written: torch.Tensor) -> None:
         if recording[0]:
-            seen["gather"].append(storage(output))
-            per_step[-1].add(storage(output)[0])
+            seen[kind].append(storage(written))
+            per_step[-1].add(storage(written)[0])
+
+    def all_gather(output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+        record("gather", output)
         return originals[0](output, input, *args)
 
     def all_reduce(tensor: torch.Tensor, *args: Any) -> Any:
-        if recording[0]:
-            seen["reduce"].append(storage(tensor))
-            per_step[-1].add(storage(tensor)[0])
+        record("reduce", tensor)
         return originals[1](tensor, *args)
 
+    def all_gather_by_broadcasts(output_rows: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+        record("gather", output_rows)  # gloo's gathers ([Note: gloo all-gather])
+        return originals[3](output_rows, input, *args)
+
     comm.all_gather, comm.all_reduce = all_gather, all_reduce  # type: ignore[assignment]
+    comm.all_gather_by_broadcasts = all_gather_by_broadcasts  # type: ignore[assignment]
     pool_bytes, pool_bytes_between_steps = [], []
     try:
         for step in range(steps):
@@ -454,7 +461,8 @@ def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) ->
             engine.finish_param_gather()
             pool_bytes_between_steps.append(engine.pool.nbytes)
     finally:
-        comm.all_gather, comm.all_reduce, comm.reduce_scatter = originals  # type: ignore[assignment]
+        (comm.all_gather, comm.all_reduce, comm.reduce_scatter,  # type: ignore[assignment]
+         comm.all_gather_by_broadcasts) = originals
     itemsize = 4
     largest = max(max(b.shard_size * b.reduce_numel, b.shard_size * b.row_numel) for b in engine.buckets) * itemsize
     result = {

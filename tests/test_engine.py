@@ -50,8 +50,10 @@ CASES: dict[str, Case] = {
     # NCCL's path (reduce-scatter, for stage 1 too), with accumulation and a branch skipped everywhere.
     **_both_stages("native-reduce-scatter", Case(optimizer="sgd", accumulate=2, native_reduce_scatter=True,
                                                  skip_branch_at=((1, 1), (2, 0), (2, 1)))),
-    # gloo's gathers split into pieces of 40 output elements (the default is 1M).
-    **_both_stages("gather-in-pieces", Case(optimizer="adam", gather_piece_numel=40)),
+    # NCCL's all-gather path (gloo otherwise gathers by broadcasts), gathers overlapped and not.
+    **_both_stages("native-all-gather", Case(optimizer="adam", native_all_gather=True)),
+    **_both_stages("native-all-gather-in-step", Case(optimizer="adam", native_all_gather=True,
+                                                     overlap_param_gather=False)),
     **_both_stages("reduce-float64", Case(optimizer="adam", reduce_dtype="float64", accumulate=2)),
     **_both_stages("one-bucket", Case(bucket_size_mb=64.0)),
     # Gradient shards are freed by zero_grad and taken again by the next reduction ([Note: gradient
