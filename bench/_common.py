@@ -88,6 +88,19 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+def held_bytes() -> int:
+    """What this process holds in memory of its own: anonymous pages (``RssAnon``, the heap and every
+    tensor) and shared anonymous ones (``RssShmem``). Not the file-backed pages it maps (``RssFile``:
+    library code such as libtorch's kernels), which the page cache shares between every process of the
+    machine and which a rank's RSS counts again in each; see :func:`file_backed_bytes`."""
+    return (_status_kib("RssAnon") + _status_kib("RssShmem")) * 1024
+
+
+def file_backed_bytes() -> int:
+    """This process's resident file-backed pages (``RssFile``): mapped library code and files."""
+    return _status_kib("RssFile") * 1024
+
+
 def release_free_memory() -> None:
     """Collect garbage and hand freed heap pages back (glibc ``malloc_trim``), so a later RSS
     delta is what is alive, not what the allocator kept."""

@@ -53,10 +53,11 @@ from _common import (
     BACKEND,
     PeakRSS,
     describe_machine,
+    file_backed_bytes,
+    held_bytes,
     load_average,
     muon_with_adamw,
     release_free_memory,
-    rss_bytes,
     run_on_ranks,
 )
 from torch import Tensor, nn
@@ -483,13 +484,14 @@ class MethodResult:
     grad_bytes: list[int]  # per rank, after backward
     shard_numel: list[int]  # per rank
     final_loss: float  # mean over ranks, last step
-    resident_bytes: list[int]  # per rank: RSS added by building the method and its first step
+    resident_bytes: list[int]  # per rank: memory held (anonymous RSS) added by building the method and its first step
     phase_peak_bytes: dict[str, list[int]]  # per phase, per rank: peak RSS above the phase's start
     param_bytes: int  # the model's parameters (one copy)
     unsharded_state_bytes: int
     leftover_turns: int  # turns after which background work still ran (the most on any rank)
     pool_bytes: int = 0  # zero1/zero2: the pool's slots while a backward or the step's gathers run (max rank)
     resident_shared_bytes: list[int] = dataclasses.field(default_factory=list)  # per rank, in the shared processes
+    code_page_bytes: list[int] = dataclasses.field(default_factory=list)  # per rank: file-backed RSS it added
     vs_ddp: float = float("nan")  # set once DDP's result is known
 
     @property
@@ -625,20 +627,20 @@ def measure_holdings(method: Method, batch: tuple[Tensor, Tensor], world_size: i
     )
 
 
-def build_measured(name: str, settings: BenchSettings, batch: tuple[Tensor, Tensor]) -> tuple[Method, int]:
-    """(every rank) Build ``name`` and run its first step: the method, and the RSS it added (after `gc` and
-    `malloc_trim` on both sides)."""
+def build_measured(name: str, settings: BenchSettings, batch: tuple[Tensor, Tensor]) -> tuple[Method, int, int]:
+    """(every rank) Build ``name`` and run its first step: the method, the memory it added (``held_bytes``,
+    after `gc` and `malloc_trim` on both sides) and the file-backed pages (library code) it touched first."""
     release_free_memory()
     dist.barrier()
-    before = rss_bytes()
+    held, code = held_bytes(), file_backed_bytes()
     method = build_method(name, settings)
     train_step(method, batch)
     method.finish()
     release_free_memory()
-    return method, rss_bytes() - before
+    return method, held_bytes() - held, file_backed_bytes() - code
 
 
-def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: str) -> list[int]:
+def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: str) -> list[tuple[int, int]]:
     """Runs on every rank of fresh processes: what ``name`` keeps resident between steps when it is the only
     method the processes ever built. Per rank, to rank 0.
 
@@ -658,9 +660,9 @@ def resident_alone(rank: int, world_size: int, settings: BenchSettings, name: st
     warm(torch.ones(2, 8)).sum().backward()
     dist.all_reduce(torch.ones(8))
     del warm
-    _, grown = build_measured(name, settings, batches[0])
+    _, held, code = build_measured(name, settings, batches[0])
     per_rank: list[Any] = [None] * world_size
-    dist.all_gather_object(per_rank, grown)
+    dist.all_gather_object(per_rank, (held, code))
     return per_rank
 
 
@@ -681,7 +683,7 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
         # one step (the first warm-up step), as RSS growth in a process where the methods built
         # before it are alive and their freed memory was handed back. The report's figure is
         # resident_alone's; this one is kept beside it ([Note: resident in own processes]).
-        methods[name], resident[name] = build_measured(name, settings, batches[0])
+        methods[name], resident[name], _ = build_measured(name, settings, batches[0])
     phase_seconds: dict[str, list[list[float]]] = {name: [] for name in names}
     leftover_turns = dict.fromkeys(names, 0)
     for round_index in range(rounds):
@@ -753,10 +755,10 @@ def formula_bytes(method: str, numel: int, world_size: int) -> float:
 def memory_table(results: list[MethodResult]) -> list[str]:
     lines = [
         "| world size | method | ZeRO-paper model states | formula MiB | resident MiB/rank (max) | resident / formula "
-        "| in shared processes MiB "
+        "| + library code pages MiB | in shared processes MiB "
         "| forward peak MiB | backward peak MiB | step peak MiB | resident + highest phase peak MiB "
         "| of the step, gathers alone MiB | pool during a step MiB |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         numel = r.param_bytes // 4
@@ -765,7 +767,7 @@ def memory_table(results: list[MethodResult]) -> list[str]:
         lines.append(
             f"| {r.world_size} | {r.method} | {FORMULA_TEXT[r.method]} | {formula / MIB:.1f} "
             f"| {max(r.resident_bytes) / MIB:.1f} | {max(r.resident_bytes) / formula:.2f} "
-            f"| {max(r.resident_shared_bytes or [0]) / MIB:.1f} "
+            f"| {max(r.code_page_bytes or [0]) / MIB:.1f} | {max(r.resident_shared_bytes or [0]) / MIB:.1f} "
             f"| {peak['forward'] / MIB:.1f} | {peak['backward'] / MIB:.1f} | {peak['step'] / MIB:.1f} "
             f"| {(max(r.resident_bytes) + max(peak['forward'], peak['backward'], peak['step'])) / MIB:.1f} "
             + (f"| {peak['gather'] / MIB:.1f} | {r.pool_bytes / MIB:.1f} |" if r.method.startswith("zero")
@@ -775,11 +777,14 @@ def memory_table(results: list[MethodResult]) -> list[str]:
 
 
 MEMORY_NOTE = (
-    "Memory is measured, per rank, as resident set size (Linux /proc/self/status). *resident*: RSS"
-    " added by building the method (a fresh model) and running its first step, after `gc` and"
-    " `malloc_trim`, in fresh processes that build no other method (the largest rank shown; [Note:"
-    " resident in own processes] in the script); *in shared processes*: the same growth measured"
-    " where the methods built before it stay alive, as earlier reports gave it. *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
+    "Memory is measured, per rank, from Linux /proc/self/status. *resident*: the memory the process holds"
+    " itself (anonymous RSS, `RssAnon` + `RssShmem`: heap, tensors) added by building the method (a fresh"
+    " model) and running its first step, after `gc` and `malloc_trim`, in fresh processes that build no"
+    " other method (the largest rank shown; [Note: resident in own processes] in the script). *library"
+    " code pages*: the file-backed RSS (`RssFile`) that step added besides, the pages of libtorch's kernels"
+    " it ran first; the page cache holds one copy for every process of the machine, each rank's RSS counts"
+    " it again, and it is no state of the method (about 11 MiB for every method here). *in shared"
+    " processes*: the memory held, measured where the methods built before it stay alive. *peak* per phase: the kernel's high-water mark, reset with `/proc/self/clear_refs` at"
     " the start of the phase, minus the RSS at that start, in one extra untimed step; the step"
     " phase includes finishing the overlapped parameter gathers and the inner AdamW, whose foreach"
     " implementation allocates temporaries the size of what it steps (the shard for ZeRO, the whole"
@@ -1137,8 +1142,9 @@ def main(argv: Sequence[str] | None = None) -> None:
               f" rounds of {settings.steps_per_turn} steps", flush=True)
         world: list[MethodResult] = run_on_ranks(bench_world, ws, settings)
         for r in world:  # [Note: resident in own processes]
-            r.resident_shared_bytes, r.resident_bytes = r.resident_bytes, run_on_ranks(resident_alone, ws, settings,
-                                                                                          r.method)
+            alone = run_on_ranks(resident_alone, ws, settings, r.method)
+            r.resident_shared_bytes, r.resident_bytes = r.resident_bytes, [held for held, _ in alone]
+            r.code_page_bytes = [code for _, code in alone]
         by_name = {r.method: r for r in world}
         for r in world:
             r.vs_ddp = paired_ratio(r, by_name["ddp"])

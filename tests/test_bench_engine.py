@@ -104,3 +104,26 @@ def test_muon_rows_run_the_methods_that_can_step_muon_and_refuse_the_others() ->
         bench.build_method("fsdp_shard_grad_op", settings)
     names = [type(o).__name__ for o in bench.make_optimizers(bench.build_model(settings.model, 0), settings)]
     assert names == ["Muon", "AdamW"]
+
+
+def test_held_memory_counts_tensors_and_not_the_library_pages_a_process_maps() -> None:
+    # The resident figure is memory the process holds (RssAnon + RssShmem); library code pages (RssFile)
+    # are shared by every process of the machine and reported apart. Touch 16 MiB of libtorch's own file
+    # pages, then allocate 16 MiB of tensor: only the tensor is held.
+    import mmap
+
+    import torch
+
+    _bench_module()  # bench/ on the path
+    import _common as common
+    library = max(Path(torch.__file__).parent.joinpath("lib").glob("libtorch_cpu*.so*"), key=lambda p: p.stat().st_size)
+    mib = 1024 * 1024
+    with open(library, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        held, code = common.held_bytes(), common.file_backed_bytes()
+        touched = sum(mapped[i] for i in range(0, 16 * mib, mmap.PAGESIZE))
+        assert common.file_backed_bytes() - code >= 12 * mib, touched
+        assert common.held_bytes() - held < 4 * mib
+    held = common.held_bytes()
+    tensor = torch.ones(4 * mib)  # 16 MiB of float32, every page written
+    assert common.held_bytes() - held >= 15 * mib
+    del tensor
