@@ -676,3 +676,31 @@ def run_memory_between_steps(rank: int, world_size: int, stage: int, set_to_none
         })
     engine.close()
     return {"between": between}
+
+
+def run_gather_peer_stops_answering(rank: int, world_size: int, wait_seconds: float) -> dict[str, Any]:
+    """Two steps' forward and backward trained together; then rank 1 stops answering (it sleeps past rank 0's
+    bound on a wait, then leaves) instead of stepping, while rank 0 steps: rank 0's overlapped gathers wait
+    for rank 1's rows, and its next parameter read must fail with the named cause once the bound has passed,
+    not wait for the peer forever ([Note: bounded waits] in _collectives.py; on gloo the gathers are
+    broadcasts, [Note: gloo all-gather])."""
+    import time
+    from datetime import timedelta
+
+    model, engine = _deep_engine(overlap_param_gather=True)
+    _deep_step(model, engine, 0, rank, world_size)
+    engine.finish_param_gather()
+    x, y = global_batch(1, 0, world_size)
+    F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+    engine.ensure_flushed()  # the reductions, with every rank
+    if rank == 1:
+        time.sleep(3 * wait_seconds)
+        return {}
+    started = time.monotonic()
+    with mock.patch.object(comm, "process_group_timeout", return_value=timedelta(seconds=wait_seconds)):
+        engine.optimizers[0].step()  # launches the gathers in their thread and returns
+        try:
+            model(x.chunk(world_size)[rank])  # the first read waits for the first bucket
+        except RuntimeError as exc:
+            return {"error": str(exc), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}

@@ -122,3 +122,13 @@ def test_a_checkpoint_tree_holds_the_module_parameters_of_the_moment(single_rank
         assert "2.weight" not in tree["model"]
     finally:
         engine.close()
+
+
+def test_a_peer_that_stops_answering_fails_the_next_read_after_the_bound_not_never() -> None:
+    from engine_cases import run_gather_peer_stops_answering
+
+    wait_seconds = 2.0
+    first, _ = run_distributed(run_gather_peer_stops_answering, 2, wait_seconds, start_method="forkserver")
+    assert first["error"] is not None, "the read returned although rank 1 never sent its rows"
+    assert "parameter all-gather failed" in first["error"] and "did not complete within" in first["error"], first
+    assert wait_seconds <= first["seconds"] < 3 * wait_seconds, first
