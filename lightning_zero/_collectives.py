@@ -45,9 +45,9 @@ def all_gather_by_broadcasts(output_rows: Tensor, input: Tensor, group: dist.Pro
     worker thread, gathers into it and copies it out. That costs a copy of the output and an allocation
     in the worker thread's malloc arena, whose freed top glibc keeps resident (``malloc_trim`` trims only
     the main arena's top): 8-16 MiB per rank stayed resident between steps at 2-4 ranks. A broadcast
-    writes into its tensor, allocates nothing, and moves the same bytes (each rank sends its row to every
-    other). bench/engine.py measures both (BENCHMARKS.md). Every rank runs the same broadcasts in the
-    same order, so the calls match on every rank."""
+    writes into its tensor and allocates nothing, and each rank's row still reaches every other rank.
+    bench/gloo_gather.py measures both, bench/engine.py the step with each (BENCHMARKS.md). Every rank
+    runs the same broadcasts in the same order, so the calls match on every rank."""
     world_size = output_rows.shape[0]
     output_rows[dist.get_rank(group)].copy_(input)
     for source in range(world_size):
