@@ -680,7 +680,7 @@ def bench_world(rank: int, world_size: int, settings: BenchSettings) -> list[Met
         deepspeed.init_distributed(dist_backend=BACKEND)
     for name in names:
         # What a method keeps resident: its model, gradients, optimizer state and buffers after
-        # one step (the first warm-up step), as RSS growth in a process where the methods built
+        # one step (the first warm-up step), as growth of the memory held in a process where the methods built
         # before it are alive and their freed memory was handed back. The report's figure is
         # resident_alone's; this one is kept beside it ([Note: resident in own processes]).
         methods[name], resident[name], _ = build_measured(name, settings, batches[0])

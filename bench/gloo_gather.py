@@ -47,7 +47,7 @@ def gather_by_all_gather(rows: torch.Tensor, row: torch.Tensor) -> None:
 
 
 def gather_by_broadcasts(rows: torch.Tensor, row: torch.Tensor) -> None:
-    comm.all_gather_by_broadcasts(rows, row, None)
+    comm.all_gather_by_broadcasts(rows, row, None, comm.broadcast_sources(None))
 
 
 METHODS = {"broadcasts": gather_by_broadcasts, "all_gather": gather_by_all_gather}

@@ -9,6 +9,7 @@ the world size and SUM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,15 +32,22 @@ def has_native_reduce_scatter(group: dist.ProcessGroup | None) -> bool:
     return "gloo" not in dist.get_backend(group)
 
 
-def gathers_by_broadcasts(group: dist.ProcessGroup | None) -> bool:
-    """True where an all-gather goes through a flat temporary of its whole output (gloo:
-    ``newLikeFlat`` in ProcessGroupGloo's allgather), so :func:`all_gather_by_broadcasts` is used."""
-    return "gloo" in dist.get_backend(group)
+def broadcast_sources(group: dist.ProcessGroup | None) -> list[int] | None:
+    """Where an all-gather goes through a flat temporary of its whole output (gloo: ``newLikeFlat`` in
+    ProcessGroupGloo's allgather): the global rank of each of ``group``'s ranks, in group order, for
+    :func:`all_gather_by_broadcasts`. Elsewhere None (the backend's all-gather is used). Looked up once,
+    at setup: ``dist.get_global_rank`` scans the group's ranks at every call."""
+    if "gloo" not in dist.get_backend(group):
+        return None
+    size = dist.get_world_size(group)
+    return list(range(size)) if group is None else [dist.get_global_rank(group, r) for r in range(size)]
 
 
-def all_gather_by_broadcasts(output_rows: Tensor, input: Tensor, group: dist.ProcessGroup | None) -> None:
+def all_gather_by_broadcasts(output_rows: Tensor, input: Tensor, group: dist.ProcessGroup | None,
+                             sources: Sequence[int]) -> None:
     """All-gather ``input`` (``[n]``) into ``output_rows`` (``[world_size, n]``): row ``r`` is group
-    rank ``r``'s input, each row broadcast in place from its rank, one after another, every wait bounded.
+    rank ``r``'s input, each row broadcast in place from its rank (global rank ``sources[r]``, from
+    :func:`broadcast_sources`), one after another, every wait bounded.
 
     [Note: gloo all-gather] gloo's all-gather allocates a flat temporary of its whole output on its
     worker thread, gathers into it and copies it out. That costs a copy of the output and an allocation
@@ -48,11 +56,9 @@ def all_gather_by_broadcasts(output_rows: Tensor, input: Tensor, group: dist.Pro
     writes into its tensor and allocates nothing, and each rank's row still reaches every other rank.
     bench/gloo_gather.py measures both, bench/engine.py the step with each (BENCHMARKS.md). Every rank
     runs the same broadcasts in the same order, so the calls match on every rank."""
-    world_size = output_rows.shape[0]
     output_rows[dist.get_rank(group)].copy_(input)
-    for source in range(world_size):
-        src = dist.get_global_rank(group, source) if group is not None else source
-        wait(dist.broadcast(output_rows[source], src=src, group=group, async_op=True))
+    for row, src in zip(output_rows, sources, strict=True):
+        wait(dist.broadcast(row, src=src, group=group, async_op=True))
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -362,17 +362,17 @@ class GradBucket:
     # ---- parameter all-gather ----------------------------------------------------------
 
     def launch_all_gather(self, pool: BufferPool, slot: int, group: dist.ProcessGroup | None,
-                          async_op: bool, by_broadcasts: bool = False) -> PendingGather:
-        """``by_broadcasts`` (gloo): gathered synchronously, row by row
-        (:func:`~lightning_zero._collectives.all_gather_by_broadcasts`); ParamGatherer runs gloo's
-        gathers on its own thread, so only that thread waits."""
+                          async_op: bool, broadcast_sources: Sequence[int] | None = None) -> PendingGather:
+        """``broadcast_sources`` (gloo, :func:`~lightning_zero._collectives.broadcast_sources`): gathered
+        synchronously, row by row (:func:`~lightning_zero._collectives.all_gather_by_broadcasts`);
+        ParamGatherer runs gloo's gathers on its own thread, so only that thread waits."""
         # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
         # be finished before the next inner step writes it (ParamGatherer.finish in the step).
         gather_input = self.master_shard.to(self.dtype)
         gathered = pool.take(slot, self.shard_size * self.row_numel, self.dtype, self.device)
         rows = gathered.view(self.shard_size, self.row_numel)
-        if by_broadcasts:
-            comm.all_gather_by_broadcasts(rows, gather_input, group)
+        if broadcast_sources is not None:
+            comm.all_gather_by_broadcasts(rows, gather_input, group, broadcast_sources)
             work = None
         else:
             work = comm.all_gather(gathered, gather_input, group, async_op)

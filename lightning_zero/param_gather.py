@@ -80,7 +80,7 @@ class ParamGatherer:
         self.async_op = async_op
         self.background = background  # False: the program runs to its end inside ``start``
         # Fixed here, not read at each launch: every rank must gather every bucket the same way.
-        self.by_broadcasts = comm.gathers_by_broadcasts(group)  # [Note: gloo all-gather] in _collectives.py
+        self.broadcast_sources = comm.broadcast_sources(group)  # [Note: gloo all-gather] in _collectives.py
         self._queue: list[GradBucket] = []
         self._consumed = 0  # queue entries the training thread has waited for
         self._done: list[threading.Event] = []  # CPU: set by the gather thread per entry
@@ -140,7 +140,7 @@ class ParamGatherer:
                 gather.finish(self.pool)
                 done(finished)
             in_flight.append((index, bucket.launch_all_gather(self.pool, index, self.group, self.async_op,
-                                                              self.by_broadcasts)))
+                                                              self.broadcast_sources)))
             self.in_flight = len(in_flight)
             if self.launch_hook is not None:
                 self.launch_hook(self)

@@ -122,14 +122,14 @@ def run_zero(rank: int, world_size: int, case: Case) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     native = mock.patch.object(comm, "has_native_reduce_scatter", return_value=True)
-    gather = mock.patch.object(comm, "gathers_by_broadcasts", return_value=False)
+    gather = mock.patch.object(comm, "broadcast_sources", return_value=None)
     with native if case.native_reduce_scatter else contextlib.nullcontext(), \
             gather if case.native_all_gather else contextlib.nullcontext():
         engine = ZeroEngine(model, [make_optimizer(case.optimizer, model)],
                             ZeroConfig(case.stage, case.bucket_size_mb, case.overlap, case.overlap_param_gather,
                                        case.reduce_dtype, case.shard_group_size))
     assert engine.reducer.reduce_scatter == case.native_reduce_scatter
-    assert engine.gatherer.by_broadcasts == (not case.native_all_gather)
+    assert (engine.gatherer.broadcast_sources is None) == case.native_all_gather
     opt = engine.optimizers[0]
     sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.7) if case.scheduler else None
     for step in range(case.steps):

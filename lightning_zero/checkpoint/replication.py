@@ -216,6 +216,7 @@ class Replicating:
                  target: Callable[[int], str], recycle: Callable[[str], bool] | None = None) -> None:
         self.received: list[int] = []
         self._errors: list[BaseException] = []
+
         def receive(src: int, tag: int) -> None:
             receive_file(target(src), src, group, tag, recycle)
             self.received.append(src)
