@@ -69,8 +69,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype, shard_group_size,
         whole_step_group_mb, full_gradients, release_grad_shards: as in :class:`lightning_zero.ZeroLowLevelStrategy`
             (:class:`~lightning_zero.engine.ZeroConfig`).
-        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before every forward in training
-            mode, as DDP does by default; checkpoints always hold rank 0's.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a forward with gradients,
+            once per accumulation window, as DDP does by default; never in a forward without gradients, and
+            whatever the module's ``training`` flag ([Note: no collective on rank-local state]); checkpoints
+            always hold rank 0's.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend,
         timeout, start_method: as in Fabric's ``DDPStrategy``. ``checkpoint_io`` (or
         ``Fabric(plugins=[ZeroCheckpointIO(...)])``) chooses the mode of ``fabric.save`` (``local``,
@@ -478,9 +480,17 @@ def _no_sync(strategy: ZeroLowLevelStrategy, engine: ZeroEngine) -> Iterator[Non
 
 
 class _BufferBroadcast:
-    """Rank 0's buffers on every rank before a training forward, when DDP's wrapper would broadcast them: on the
-    first forward and after a forward with gradients outside ``no_backward_sync`` (so once per accumulation
-    window, at its first micro-batch)."""
+    """Rank 0's buffers on every rank before a forward with gradients, when DDP's wrapper would broadcast them:
+    on the first such forward and after a forward with gradients outside ``no_backward_sync`` (so once per
+    accumulation window, at its first micro-batch).
+
+    [Note: no collective on rank-local state] Whether a rank joins the broadcast depends only on what every
+    rank of a data-parallel loop does alike: a forward with gradients (a backward, itself collective, follows
+    it on every rank) and ``no_backward_sync``. Not on ``module.training`` (a rank-0-only sample generation
+    that returns early leaves rank 0 in ``eval()``), and not on forwards without gradients (generation or
+    evaluation on some ranks only): those neither broadcast nor move the schedule. DDP's wrapper decides by
+    its previous forward, whatever it was, so a no-grad forward on one rank desynchronises it; here it cannot.
+    A no-grad forward therefore sees this rank's own buffers, as the Trainer strategy's evaluation does."""
 
     def __init__(self, strategy: ZeroLowLevelStrategy, engine: ZeroEngine) -> None:
         self.strategy = strategy
@@ -488,11 +498,12 @@ class _BufferBroadcast:
         self.due = True
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
-        if module.training and self.due:
+        if self.due and torch.is_grad_enabled():
             self.engine.broadcast_buffers()  # (collective)
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.due = torch.is_grad_enabled() and not self.strategy._skipping_sync
+        if torch.is_grad_enabled():
+            self.due = not self.strategy._skipping_sync
 
 
 def _unwrap_module(module: nn.Module) -> nn.Module:

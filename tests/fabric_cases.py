@@ -41,6 +41,9 @@ class FabricCase:
     """``net``: engine_cases.Net; ``batchnorm``: BatchNormNet (buffers that forward changes per rank)."""
     branch_on_rank0_only: bool = False
     """Only rank 0's slice takes ``Net.branch`` (a parameter with a gradient on some ranks only)."""
+    rank0_eval: bool = False
+    """After the first step rank 0 alone samples from the model without gradients, in ``eval()``, and is left in
+    ``eval()`` (a rank-0-only generation that returns early): the other ranks keep training mode."""
 
 
 def global_batch(step: int, micro: int, rank0_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +181,12 @@ def train_steps(loop: Loop, case: FabricCase, rank: int, world_size: int, start:
             optimizer.step()
         for scheduler in loop.schedulers:
             scheduler.step()
+        if case.rank0_eval and step == start and rank == 0:
+            model.eval()
+            with torch.no_grad():
+                # DDP's wrapper decides its next broadcast by its previous forward, so a DDP user samples
+                # through the inner module; ZeRO's broadcast ignores forwards without gradients.
+                (model.module if case.strategy == "ddp" else model)(xs[:1])
     return norms
 
 

@@ -47,9 +47,13 @@ DDP_CASES: dict[str, FabricCase] = {
     "two-optimizers-ddp": FabricCase(strategy="ddp", optimizer="two-adamw", accumulate=2, clip_norm=0.05),
     # BatchNorm: statistics of each rank's slice, rank 0's running buffers broadcast before every forward.
     "batchnorm-ddp": FabricCase(strategy="ddp", model="batchnorm", accumulate=2),
+    # Rank 0 alone in eval() (and sampling without gradients) from the second step on: no collective may
+    # depend on a rank's own mode; the ranks keep broadcasting and reducing together, as under DDP.
+    "rank0-eval-ddp": FabricCase(strategy="ddp", model="batchnorm", accumulate=2, rank0_eval=True),
 }
 # Per-slice batch statistics: equal to DDP, not to one process over the whole batch.
-BATCHNORM_CASES = _both_stages("batchnorm", FabricCase(model="batchnorm", accumulate=2))
+BATCHNORM_CASES = {**_both_stages("batchnorm", FabricCase(model="batchnorm", accumulate=2)),
+                   **_both_stages("rank0-eval", FabricCase(model="batchnorm", accumulate=2, rank0_eval=True))}
 LOW_PRECISION_CASES: dict[str, FabricCase] = {
     **_both_stages("bf16-true", FabricCase(precision="bf16-true", accumulate=2, clip_norm=0.05)),
     **_both_stages("bf16-mixed", FabricCase(precision="bf16-mixed", accumulate=2, clip_norm=0.05)),
