@@ -190,3 +190,17 @@ def checkpoint_connector(trainer: Any) -> Any:
     """``Trainer._checkpoint_connector``: its ``resume_start(checkpoint_path, weights_only=None)`` loads the
     resumed checkpoint, and ``_ckpt_path``/``_loaded_checkpoint`` hold what it loaded (Lightning 2.5, 2.6)."""
     return trainer._checkpoint_connector
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_buffers()`` without the buffers registered with ``persistent=False``: the buffers
+    ``module.state_dict()`` holds, by the same names. ``Module._non_persistent_buffers_set`` (torch 1.6
+    on) is what ``state_dict`` itself consults; walking it avoids ``state_dict()``, which reads every
+    parameter (and so waits for the step's parameter gathers)."""
+    out = []
+    for prefix, sub in module.named_modules(remove_duplicate=True):
+        skipped = sub._non_persistent_buffers_set
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in skipped:
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out

@@ -8,9 +8,10 @@ shards a Fabric loop's optimizer state, and with stage 2 its gradients, exactly 
 ``fabric.save``/``fabric.load`` go through the public functions of :mod:`lightning_zero.checkpoint`, in
 the checkpoint plugin's mode (``Fabric(plugins=[ZeroCheckpointIO(mode=..., async_save=...)])``).
 
-The strategy holds no sharding math and no checkpoint format of its own: a save writes the tree of
-:func:`~lightning_zero.checkpoint.zero_state_dict` (the layout the Trainer's checkpoints have) with the
-rest of Fabric's ``state`` in the tree's ``trainer`` entry, and a load is
+The strategy holds no sharding math and no checkpoint format of its own: a save writes
+:func:`~lightning_zero.checkpoint.fabric_tree.fabric_tree` ([Note: Fabric's layout] there: in ``full``
+mode the one file Fabric's DDP writes, ``torch.load(path)["model"]`` the module's ``state_dict``; in
+``local``/``sharded`` mode the engine's tree), and a load is
 :func:`~lightning_zero.checkpoint.load_zero_state_dict`.
 """
 
@@ -50,12 +51,11 @@ from lightning_zero.checkpoint import (
     wait_for_staging,
     zero_state_dict,
 )
+from lightning_zero.checkpoint.fabric_tree import fabric_tree
+from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
-TRAINER_KEY = "trainer"
-"""Entry of the checkpoint tree holding the non-tensor state as one ``torch.save`` blob: Lightning's loops
-for the Trainer, the rest of ``fabric.save``'s ``state`` here (what ``fabric.load`` returns or restores)."""
 VERSION_KEY = "pytorch-lightning_version"
 """Stamped into every save, as Lightning stamps its checkpoints: the Trainer reads a checkpoint only with it."""
 _LIGHTNING_OWN = ("state_dict", "optimizer_states", "lightning_zero_masters", "lightning_zero_meta", VERSION_KEY)
@@ -293,10 +293,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """(every rank) ``state`` holds one module set up with its optimizers (``"model": model``), any of them
-        (``"optimizer": optimizer``; with one, the checkpoint holds the state of every optimizer of the module;
-        with none, no optimizer state) and any other values, which go into the checkpoint as they are (objects
+        (``"optimizer": optimizer``; in ``local``/``sharded`` mode one brings the state of every optimizer of the
+        module, in ``full`` mode each is written under its own key; with none, no optimizer state) and any other values, which go into the checkpoint as they are (objects
         with ``state_dict()``: their state dict).
 
+        In ``full`` mode the file is the one Fabric's DDP writes (the state's keys at the top, ``ckpt["model"]``
+        the module's ``state_dict()``, ``ckpt["optimizer"]`` the optimizer's per-parameter state), plus the
+        fp32 masters of parameters kept in a lower precision ([Note: Fabric's layout] in checkpoint/fabric_tree.py).
         The module's exact fp32 masters and the optimizers' sharded state are written in the plugin's mode;
         ``filter={"model": fn}`` keeps the weights and buffers for which ``fn(name, tensor)`` is true. With
         ``async_save`` the call returns once the save is queued; the tensors are copied before the next
@@ -310,20 +313,17 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if set(filter) - {module_key}:
             raise ValueError(f"fabric.save(filter=...) filters the module's weights (key {module_key!r}) with"
                              f" ZeroLowLevelStrategy; got filters for {sorted(set(filter) - {module_key})}.")
-        saved_optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
+        index = {id(opt): i for i, opt in enumerate(engine.optimizers)}
+        saved_optimizers = {key: index[id(value)] for key, value in state.items() if isinstance(value, Optimizer)}
         rest = {key: value.state_dict() if _is_stateful(value) else value for key, value in state.items()
                 if key != module_key and key not in saved_optimizers}
-        blob = _to_blob({VERSION_KEY: lightning.__version__, **rest})  # refuses what would not load back
+        rest = {VERSION_KEY: lightning.__version__, **rest}
+        blob = _to_blob(rest)  # refuses what would not load back
         wait_for_staging()  # a save still copying the masters finishes before they are written again
         engine.adopt_module_writes()  # weights written into the module are what is saved
-        tree = zero_state_dict(engine, module, meta=self._meta[module])
-        if not saved_optimizers:
-            tree.pop("optimizer")
-        if module_key in filter:
-            keep = filter[module_key]
-            tensors = {**dict(engine.named_parameters()), **dict(module.named_buffers())}
-            tree["model"] = {fqn: leaf for fqn, leaf in tree["model"].items() if keep(fqn, tensors[fqn].detach())}
-        tree[TRAINER_KEY] = blob
+        # [Note: Fabric's layout] in checkpoint/fabric_tree.py: a full file is what Fabric's DDP writes.
+        tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
+                           self._meta[module], blob, keep=filter.get(module_key))
         options = {**io.storage_options, **(storage_options or {})}
         # Lightning's fields, where readers of its files look for them (and each save's figures take the step).
         fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
@@ -363,7 +363,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         url = os.fspath(path)
         options = io.storage_options
         if not state:
-            return read_lightning_checkpoint(url, options)
+            return to_fabric_layout(read_lightning_checkpoint(url, options))
         if isinstance(state, Optimizer):
             raise NotImplementedError("fabric.load_raw(path, optimizer) is not supported by ZeroLowLevelStrategy: its"
                                       " optimizer state is sharded. Load it with the module: fabric.load(path,"

@@ -274,3 +274,19 @@ def test_checkpoint_connector_resumes_through_resume_start() -> None:
     assert "weights_only" in inspect.signature(type(connector).resume_start).parameters
     connector.resume_start(None)  # no path: nothing loaded
     assert connector._ckpt_path is None and not connector._loaded_checkpoint
+
+
+def test_persistent_buffers_are_the_buffers_state_dict_holds() -> None:
+    class Rope(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cos", torch.ones(3), persistent=False)
+            self.register_buffer("scale", torch.ones(1))
+            self.register_buffer("empty", None)
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), Rope())
+    model.shared = model[1]  # the same submodule under two names: named once, as state_dict does
+    names = [name for name, _ in _compat.persistent_buffers(model)]
+    expected = [k for k in model.state_dict() if k in dict(model.named_buffers())]
+    assert names == expected
+    assert "1.cos" not in names and "1.scale" in names

@@ -114,8 +114,9 @@ def test_weights_only_load_load_raw_and_a_module_without_optimizer(mode: str, di
         assert loaded[rank]["inference_remainder_keys"] == ["note", "scheduler"]
         assert loaded[rank]["optimizer_state"] == 0, "a weights-only load must leave the optimizer as it was"
         assert loaded[rank]["remainder_keys"] == ["note", "scheduler", "step"]
-        # Every mode reads whole in Lightning's format, a full file holding the engine's tree too.
-        assert {"state_dict", "optimizer_states", "step", "note"} <= set(loaded[rank]["whole_keys"])
+        # fabric.load(path) gives every mode back whole in the layout fabric.save was given (Fabric's DDP's).
+        assert {"model", "optimizer", "step", "note"} <= set(loaded[rank]["whole_keys"])
+        assert "state_dict" not in loaded[rank]["whole_keys"]
 
 
 def test_checkpoint_reads_whole_in_lightning_format(directory: str) -> None:
@@ -173,16 +174,16 @@ def test_strict_false_loads_a_checkpoint_with_only_some_weights(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lightning_zero_convert_writes_a_fabric_checkpoint_as_one_lightning_file(mode: str, directory: str,
-                                                                                tmp_path: Path) -> None:
-    """``convert`` reads what fabric.save wrote, in every mode (a ``full`` one holds the engine's tree), into
-    Lightning's single file: the weights saved, the optimizer state, Fabric's other values."""
+def test_lightning_zero_convert_writes_a_fabric_checkpoint_as_the_file_fabric_s_ddp_writes(mode: str, directory: str,
+                                                                                       tmp_path: Path) -> None:
+    """``convert`` reads what fabric.save wrote, in every mode, into the single file Fabric's DDP writes: the
+    weights saved under the state's key of the module, the optimizer state under its key, the other values."""
     from lightning_zero.checkpoint import convert
 
     path, uninterrupted = saved(2, mode, directory)
     out = convert(path, str(tmp_path / f"{mode}-converted.ckpt"))
     content = torch.load(out, map_location="cpu", weights_only=True)
     saved_params = uninterrupted[0]["saved_params"]
-    _equal({k: v for k, v in content["state_dict"].items() if k in saved_params}, saved_params, f"{mode} converted")
-    assert content["step"] == SAVE_AT and len(content["optimizer_states"]) == 1
-    assert content["optimizer_states"][0]["state"], "the converted file holds the optimizer state"
+    _equal({k: v for k, v in content["model"].items() if k in saved_params}, saved_params, f"{mode} converted")
+    assert content["step"] == SAVE_AT and "state_dict" not in content
+    assert content["optimizer"]["state"], "the converted file holds the optimizer state"

@@ -5,7 +5,9 @@ Runs in one CPU process with no process group, reading local paths and ``s3://``
 
 * ``to="lightning"``: one ``full`` Lightning checkpoint (weights, optimizer state in PyTorch's
   per-parameter form, loops, callbacks, the fp32 masters) that ``torch.load(weights_only=True)``,
-  ``LightningModule.load_from_checkpoint`` and a plain ``ddp`` resume read;
+  ``LightningModule.load_from_checkpoint`` and a plain ``ddp`` resume read; a checkpoint ``fabric.save``
+  wrote becomes the file Fabric's DDP writes (``torch.load(dst)["model"]``: [Note: Fabric's layout] in
+  fabric_tree.py);
 * ``to="hf"``: a ``save_pretrained`` folder (``config.json``, ``model.safetensors``, sharded with an
   index above ``max_shard_size``, tied weights stored once) for a module that holds a
   ``transformers`` model; the checkpoint records that model's class and config when it is saved.
@@ -20,7 +22,7 @@ from typing import Any, Literal
 from torch import nn
 
 from lightning_zero.checkpoint import file_io, storage
-from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint
+from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint, to_fabric_layout
 
 
 def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
@@ -32,7 +34,7 @@ def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
     checkpoint = read_lightning_checkpoint(src, storage_options, optimizer=to == "lightning")
     out = storage.resolve(dst, dst_storage_options if dst_storage_options is not None else storage_options)
     if to == "lightning":
-        _write_file(out, checkpoint)
+        _write_file(out, to_fabric_layout(checkpoint))
         return out.url
     hf = (checkpoint.get(META_KEY) or {}).get("hf")
     if not hf:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_zero._compat import persistent_buffers
 from lightning_zero.checkpoint.tree import FlatShard
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.grad_bucket import ShardedParam
@@ -66,7 +67,7 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     for fqn, p in engine.named_parameters():
         sp = engine.sharded_params.get(p)
         model[fqn] = _flat(sp, sp.master, ws) if sp is not None else p.detach()
-    for fqn, b in module.named_buffers():
+    for fqn, b in persistent_buffers(module):  # as state_dict(): no buffer registered persistent=False
         # Forward mutates buffers: a save copies them now, not at staging; a load fills them.
         model[fqn] = b.detach() if for_load else b.detach().clone()
     optimizers = []

@@ -32,10 +32,16 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_zero._compat import persistent_buffers
 from lightning_zero.checkpoint import engine_tree, saver, storage
 from lightning_zero.checkpoint.modes import full
 from lightning_zero.checkpoint.opening import open_checkpoint
-from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_opened
+from lightning_zero.checkpoint.reader import (
+    MASTERS_KEY,
+    META_KEY,
+    from_fabric_layout,
+    read_opened,
+)
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.team import checked_on_every_rank, make_team
 from lightning_zero.checkpoint.trainer_state import (
@@ -144,7 +150,7 @@ def _storage_key(tensor: Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]
 def _weights_tree(module: nn.Module) -> dict[str, Any]:
     """Weights only, without an engine: whole tensors (DCP writes each once, from rank 0)."""
     model = {fqn: p.detach() for fqn, p in module.named_parameters()}
-    model.update({fqn: b.detach().clone() for fqn, b in module.named_buffers()})
+    model.update({fqn: b.detach().clone() for fqn, b in persistent_buffers(module)})
     return {"model": model}
 
 
@@ -197,7 +203,7 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     keys: set[str] = set()
     content: dict[str, Any] = {}
     if mode == "full":
-        content = checked_on_every_rank(lambda: full.read_full_checked(loc), loc)
+        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc)), loc)
     else:
         keys = checked_on_every_rank(lambda: saver.saved_tensor_keys(opened), loc)
     if mode == "full":
@@ -216,6 +222,9 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     if not any(k.startswith("optimizer/") for k in keys):
         tree.pop("optimizer")
     saved_model = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
+    # Files written before saves left out buffers registered with persistent=False hold them: read as before.
+    tree["model"].update({fqn: b.detach() for fqn, b in module.named_buffers() if fqn in saved_model
+                          and fqn not in tree["model"]})
     record = None
     if pending is not None:  # by name, leniently: the hook decides what stays ([Note: hook before weights])
         lacking = set(tree["model"]) - saved_model

@@ -31,6 +31,46 @@ META_KEY = "lightning_zero_meta"
 tied-weight aliases, the Hugging Face config)."""
 
 
+FABRIC_KEYS = "fabric"
+"""Entry of a checkpoint's ``meta`` that ``fabric.save`` writes: ``{"module": <the state's key of the module>,
+"optimizers": [<the state's key of each saved optimizer, in the engine's order>]}``, so the checkpoint reads
+back in the layout Fabric programs use (:func:`to_fabric_layout`)."""
+
+
+def _fabric_keys(content: dict[str, Any]) -> dict[str, Any] | None:
+    meta = content.get(META_KEY)
+    keys = meta.get(FABRIC_KEYS) if isinstance(meta, dict) else None
+    return keys if isinstance(keys, dict) else None
+
+
+def from_fabric_layout(content: Any) -> Any:
+    """A file in Fabric's layout (what ``fabric.save`` writes in ``full`` mode: the state's keys at the top, the
+    module's ``state_dict`` and each optimizer's per-parameter state under their own keys) in Lightning's
+    (``state_dict``, ``optimizer_states``), the other keys as they are. Any other content is returned as it is."""
+    keys = _fabric_keys(content) if isinstance(content, dict) else None
+    if keys is None or keys["module"] not in content:
+        return content
+    out = dict(content)
+    out["state_dict"] = out.pop(keys["module"])
+    optimizers = [key for key in keys["optimizers"] if key in out]
+    if optimizers:
+        out["optimizer_states"] = [out.pop(key) for key in optimizers]
+    return out
+
+
+def to_fabric_layout(content: dict[str, Any]) -> dict[str, Any]:
+    """:func:`from_fabric_layout` undone: a checkpoint ``fabric.save`` wrote (any mode, read whole) as the dict
+    it was given, ``content[<module key>]`` the module's ``state_dict``. Others are returned as they are."""
+    keys = _fabric_keys(content)
+    if keys is None or "state_dict" not in content:
+        return content
+    out = dict(content)
+    out[keys["module"]] = out.pop("state_dict")
+    for key, state in zip(keys["optimizers"], out.pop("optimizer_states", None) or []):
+        out[key] = state
+    return out
+
+
 def read_zero_tree(checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
                    optimizer: bool = True) -> dict[str, Any]:
     """The tree a ``local`` or ``sharded`` checkpoint was saved from, with whole tensors.
@@ -102,9 +142,10 @@ def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any
 def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True) -> dict[str, Any]:
     """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
     if opened.mode == "full":
-        content = full.read_full_checked(opened.loc)
+        content = from_fabric_layout(full.read_full_checked(opened.loc))
         # One file holding an engine tree whole (``save(zero_state_dict(...), mode="full")``, Fabric's
-        # ``full`` saves) reads as the other modes do; Lightning's own format is returned as it is.
+        # ``full`` saves before they took Fabric's layout) reads as the other modes do; Lightning's own
+        # format is returned as it is, Fabric's in Lightning's.
         return to_lightning(content, optimizer=optimizer) if is_engine_tree(content) else content
     return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer)
 
