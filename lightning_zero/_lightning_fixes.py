@@ -215,7 +215,11 @@ def install_checkpoint_reader() -> None:
         from lightning_zero.checkpoint import reader
 
         if isinstance(path_or_url, (str, os.PathLike)) and reader.is_zero_checkpoint(os.fspath(path_or_url)):
-            checkpoint = reader.read_lightning_checkpoint(os.fspath(path_or_url), optimizer=False)
+            # Only an explicit `load_from_checkpoint(..., weights_only=False)` (a file the caller trusts)
+            # unpickles arbitrary objects; Lightning's defaults leave this package's reads weights-only.
+            trusted = kwargs.get("weights_only") is False
+            checkpoint = reader.read_lightning_checkpoint(os.fspath(path_or_url), optimizer=False,
+                                                          weights_only=not trusted)
             checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
             return checkpoint
         return original(path_or_url, *args, **kwargs)

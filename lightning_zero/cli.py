@@ -97,9 +97,13 @@ def convert_main(args: list[str]) -> int:
     parser.add_argument("dst", help="output file (--to lightning) or folder (--to hf)")
     parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
+    parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
+                        help="read the checkpoint's non-tensor state as torch.load(weights_only=True) does"
+                        " (the default); --no-weights-only unpickles any object it holds: only for a file you trust")
     options = parser.parse_args(args)
     try:
-        written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size)
+        written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size,
+                          weights_only=options.weights_only)
     except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError) as exc:
         # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
         # message names the fix, a traceback would bury it.

@@ -358,26 +358,29 @@ class ZeroLowLevelStrategy(DDPStrategy):
         state and hyper-parameters); other keys are set, or ``load_state_dict``-ed for objects that have it.
 
         ``state`` a module (``fabric.load_raw``): its weights, from any checkpoint of this package or a file
-        holding a plain ``state_dict``. None: the whole checkpoint in Lightning's format."""
+        holding a plain ``state_dict``. None: the whole checkpoint, in the layout ``fabric.save`` was given
+        (Lightning's for a Trainer checkpoint). ``weights_only=False``: the caller trusts the file, whose
+        non-tensor values may then hold any object (None or True refuse them)."""
         io = self._zero_io()
         url = os.fspath(path)
         options = io.storage_options
+        trusted = weights_only is not None and not weights_only
         if not state:
-            return to_fabric_layout(read_lightning_checkpoint(url, options))
+            return to_fabric_layout(read_lightning_checkpoint(url, options, weights_only=not trusted))
         if isinstance(state, Optimizer):
             raise NotImplementedError("fabric.load_raw(path, optimizer) is not supported by ZeroLowLevelStrategy: its"
                                       " optimizer state is sharded. Load it with the module: fabric.load(path,"
                                       " {'model': model, 'optimizer': optimizer}).")
         if isinstance(state, nn.Module):
-            self._load_weights(state, url, options, strict)
+            self._load_weights(state, url, options, strict, weights_only=not trusted)
             return {}
         module_key, module, engine = self._split_state(state)
         optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
         if engine is None:  # set up without optimizers (inference): the weights, from any mode
-            content = self._load_weights(module, url, options, strict)
+            content = self._load_weights(module, url, options, strict, weights_only=not trusted)
         else:
             content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys),
-                                        strict=strict)
+                                        strict=strict, weights_only=not trusted)
         for key in _LIGHTNING_OWN:
             content.pop(key, None)
         rest = {k: v for k, v in state.items() if k != module_key and k not in optimizer_keys}
@@ -394,29 +397,31 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 state[key] = content.pop(key)
         return content
 
-    def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool) -> dict[str, Any]:
+    def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool,
+                      weights_only: bool = True) -> dict[str, Any]:
         """The weights of any checkpoint of this package, or of a file holding a plain ``state_dict``
         (``fabric.load_raw(path, module)``); returns the checkpoint's other content. A module trained by an
         engine gets the exact masters (its optimizers keep their state)."""
         module = _unwrap_module(module)
         engine = self._engines.get(module)
         if engine is not None:
-            return self._load_module(engine, module, url, options, with_optimizers=False)
-        content = read_lightning_checkpoint(url, options, optimizer=False)
+            return self._load_module(engine, module, url, options, with_optimizers=False, weights_only=weights_only)
+        content = read_lightning_checkpoint(url, options, optimizer=False, weights_only=weights_only)
         if "state_dict" in content:
-            return load_weights(module, url, options, strict=strict)
+            return load_weights(module, url, options, strict=strict, weights_only=weights_only)
         with torch.no_grad():  # a plain ``torch.save(model.state_dict())`` file
             module.load_state_dict(content, strict=strict)
         return {}
 
     @staticmethod
     def _load_module(engine: ZeroEngine, module: nn.Module, url: str, options: dict[str, Any],
-                     with_optimizers: bool, strict: bool = True) -> dict[str, Any]:
+                     with_optimizers: bool, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
         """(every rank) The masters, buffers and, ``with_optimizers``, the optimizers' state from ``url``;
         returns the checkpoint's other content."""
         wait_for_staging()  # a save still copying the masters finishes before they are overwritten
         kept = [] if with_optimizers else [copy.deepcopy(opt.state_dict()) for opt in engine.optimizers]
-        content = dict(load_zero_state_dict(engine, module, url, storage_options=options, strict=strict))
+        content = dict(load_zero_state_dict(engine, module, url, storage_options=options, strict=strict,
+                                            weights_only=weights_only))
         for opt, state in zip(engine.optimizers, kept, strict=False):
             opt.load_state_dict(state)  # only the weights were asked for: the optimizers stay as they were
         return content

@@ -473,6 +473,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
         A damaged or incomplete ``last*`` checkpoint falls back, with a warning, to the newest
         complete checkpoint beside it; every rank agrees on which one loaded before any state is used.
+        ``weights_only`` (``trainer.fit(..., weights_only=False)``): False unpickles any object the
+        checkpoint's non-tensor state holds, for a file the caller trusts; None or True refuse them.
         """
         path = os.fspath(checkpoint_path)
         io = self.checkpoint_io
@@ -490,6 +492,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning_tree.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
         pending: list[lightning_tree.PendingWeights] = []
+        # Lightning's argument (fit/validate/test/predict(..., weights_only=...)): None is torch's default, True.
+        trusted = weights_only is not None and not weights_only
 
         def load_one(candidate: str) -> dict[str, Any]:
             self._loaded_by_strategy = False
@@ -498,9 +502,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads the marker
                 # and a sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
                 return lightning_tree.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
-                                                 apply=not hook_first, shared=isinstance(io, ZeroCheckpointIO))
+                                                 apply=not hook_first, shared=isinstance(io, ZeroCheckpointIO),
+                                                 weights_only=not trusted)
             return lightning_tree.load_engine_state(engine, module, candidate, options, strict=strict,
-                                                      may_lack=may_lack, pending=pending if hook_first else None)
+                                                      may_lack=may_lack, pending=pending if hook_first else None,
+                                                      weights_only=not trusted)
 
         agree = lambda ok: self.reduce_boolean_decision(ok, all=True)  # noqa: E731
         started = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from fabric_cases import make_fabric
 from lifecycle_cases import as_torchrun
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -109,7 +109,8 @@ class RopeModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-def _trainer(world_size: int, strategy: str, mode: str, root: str, max_steps: int) -> Trainer:
+def _trainer(world_size: int, strategy: str, mode: str, root: str, max_steps: int,
+             callbacks: list[Callback] | None = None) -> Trainer:
     if strategy == "ddp":
         chosen: Any = DDPStrategy()
         plugins: list[Any] = []
@@ -117,6 +118,7 @@ def _trainer(world_size: int, strategy: str, mode: str, root: str, max_steps: in
         chosen = ZeroLowLevelStrategy(stage=int(strategy[-1]), bucket_size_mb=0.0001)  # type: ignore[arg-type]
         plugins = [ZeroCheckpointIO(mode=mode)]  # type: ignore[arg-type]
     return Trainer(accelerator="cpu", devices=world_size, strategy=chosen, plugins=plugins, max_steps=max_steps,
+                   callbacks=callbacks,
                    logger=False, enable_checkpointing=False, use_distributed_sampler=False,
                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
 
@@ -155,3 +157,48 @@ def fabric_runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def trainer_runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {f"{s}-{m}": trainer_fit_save_resume(rank, world_size, s, m, root) for s, m in TRAINER_RUNS}
+
+
+class TypeKeyedState(Callback):
+    """Lightning's ``OldStatefulCallback`` (tests_pytorch/callbacks/test_callbacks.py): its state is keyed by its
+    class, an object a ``weights_only`` load refuses, so only ``weights_only=False`` resumes it."""
+
+    def __init__(self, state: int) -> None:
+        self.state = state
+
+    @property
+    def state_key(self) -> Any:
+        return type(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = state_dict["state"]
+
+
+WEIGHTS_ONLY_RUNS = [("ddp", "full"), ("zero2", "full"), ("zero2", "sharded"), ("zero1", "local")]
+
+
+def weights_only_resumes(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Each run saves with a TypeKeyedState(111), then fresh Trainers resume with ``weights_only`` None, True
+    and False; returns the callback's state after each resume, or the error."""
+    as_torchrun(rank, world_size)
+    data = DataLoader([batch(step) for step in range(2 * STEPS)], batch_size=None)
+    out: dict[str, Any] = {}
+    for strategy, mode in WEIGHTS_ONLY_RUNS:
+        path = os.path.join(root, f"weights-only-{strategy}-{mode}.ckpt")
+        first = _trainer(world_size, strategy, mode, root, 1, callbacks=[TypeKeyedState(111)])
+        first.fit(RopeModule(), data)
+        first.save_checkpoint(path)
+        first.strategy.barrier()
+        for weights_only in (None, True, False):
+            callback = TypeKeyedState(222)
+            second = _trainer(world_size, strategy, mode, root, 2, callbacks=[callback])
+            try:
+                second.fit(RopeModule(), data, ckpt_path=path, weights_only=weights_only)
+                outcome: Any = callback.state
+            except Exception as exc:  # every rank fails alike (the load agrees before any state is used)
+                outcome = f"{type(exc).__name__}: {exc}"
+            out[f"{strategy}-{mode}-{weights_only}"] = outcome
+    return out

@@ -27,11 +27,13 @@ from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint
 
 def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
-            max_shard_size: int | str = "5GB") -> str:
-    """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file or a Hugging Face folder at ``dst``."""
+            max_shard_size: int | str = "5GB", weights_only: bool = True) -> str:
+    """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file or a Hugging Face folder at ``dst``.
+    ``weights_only=False``: the caller trusts ``src``, whose non-tensor state may then hold any object."""
     if to not in ("lightning", "hf"):
         raise ValueError(f"convert(to=...) must be 'lightning' or 'hf', got {to!r}.")
-    checkpoint = read_lightning_checkpoint(src, storage_options, optimizer=to == "lightning")
+    checkpoint = read_lightning_checkpoint(src, storage_options, optimizer=to == "lightning",
+                                           weights_only=weights_only)
     out = storage.resolve(dst, dst_storage_options if dst_storage_options is not None else storage_options)
     if to == "lightning":
         _write_file(out, to_fabric_layout(checkpoint))

@@ -135,10 +135,11 @@ def _save_keeping_write_errors(obj: Any, f: Any) -> None:
 
 
 
-def torch_load(loc: Location, path: str) -> Any:
-    """One ``torch.save`` file, ``weights_only``, on CPU, without a second copy of its bytes: a local
-    file is memory-mapped (tensors are paged in as they are copied into the state), a remote one is
-    deserialized straight from the stream (``full`` files are a whole model: issue 8, item 7)."""
+def torch_load(loc: Location, path: str, weights_only: bool = True) -> Any:
+    """One ``torch.save`` file, on CPU, without a second copy of its bytes: a local file is memory-mapped
+    (tensors are paged in as they are copied into the state), a remote one is deserialized straight from
+    the stream (``full`` files are a whole model). ``weights_only=False`` (a caller who trusts the file:
+    ``trainer.fit(..., weights_only=False)``) unpickles any object it holds; the default refuses them."""
     try:
         if loc.is_local:
             if not os.path.isfile(path):
@@ -156,13 +157,13 @@ def torch_load(loc: Location, path: str) -> Any:
     try:
         if isinstance(data, str):
             try:
-                return torch.load(data, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(data, map_location="cpu", weights_only=weights_only, mmap=True)
             except (RuntimeError, OSError):
                 # Not mappable (the legacy format, an empty or truncated file): read it whole, which
                 # reports a damaged file as such below.
-                return torch.load(data, map_location="cpu", weights_only=True)
+                return torch.load(data, map_location="cpu", weights_only=weights_only)
         with data:
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(data, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         raise CheckpointCorruptError(storage.refused_pickle(loc.url, f"file {path!r}", exc)) from None
     except OSError as exc:

@@ -178,7 +178,7 @@ class PendingWeights:
 def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                           storage_options: dict[str, Any] | None = None, *, strict: bool = True,
                           may_lack: frozenset[str] = frozenset(),
-                          pending: list[PendingWeights] | None = None) -> dict[str, Any]:
+                          pending: list[PendingWeights] | None = None, weights_only: bool = True) -> dict[str, Any]:
     """Fill this rank's shards (masters, optimizer state, hyper-parameters) and the buffers from a
     checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
     call :func:`publish` on every rank once every rank has loaded.
@@ -190,7 +190,8 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     ``pending`` (a list): the weights wait for the module's ``on_load_checkpoint`` ([Note: hook before
     weights]): the returned ``state_dict`` holds placeholders (``local``/``sharded``) or the saved tensors
     (``full``), and a :class:`PendingWeights` appended to the list says how to finish with
-    :func:`apply_pending_weights`; the key checks wait for it too."""
+    :func:`apply_pending_weights`; the key checks wait for it too. ``weights_only=False``: the caller trusts
+    the file (Lightning's ``weights_only`` argument): its non-tensor state may hold any object."""
     options = storage_options or {}
     # Opened once for the whole load: the team's coordinator reads the marker and a sharded
     # checkpoint's .metadata for every rank ([Note: shared metadata] in opening.py).
@@ -203,7 +204,7 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     keys: set[str] = set()
     content: dict[str, Any] = {}
     if mode == "full":
-        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc)), loc)
+        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc, weights_only)), loc)
     else:
         keys = checked_on_every_rank(lambda: saver.saved_tensor_keys(opened), loc)
     if mode == "full":
@@ -237,7 +238,7 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     objects = saver.load_opened(tree, opened, strict=strict and record is None)
     for optimizer, saved in zip(engine.optimizers, objects.get("optimizer", [])):
         engine_tree.apply_param_groups(optimizer, saved["param_groups"])
-    content = read_trainer_state(objects["trainer"], checkpoint_id) if "trainer" in objects else {}
+    content = read_trainer_state(objects["trainer"], checkpoint_id, weights_only) if "trainer" in objects else {}
     if record is None:
         return {**content, "state_dict": module.state_dict()}
     state_dict = _placeholders(module, saved_model, record)
@@ -385,13 +386,15 @@ def publish(engine: ZeroEngine, module: nn.Module) -> None:
 
 
 def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: str, *,
-                         storage_options: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+                         storage_options: dict[str, Any] | None = None, strict: bool = True,
+                         weights_only: bool = True) -> dict[str, Any]:
     """(every rank) Resume a fresh engine from a checkpoint of any mode, in one call: master weights,
     optimizer state and hyper-parameters, the model's weights and buffers. Returns the checkpoint's
     other content (for a Lightning checkpoint: loops, callbacks, ...). ``strict=False``: weights the
     checkpoint lacks keep the module's values and the ones it holds in excess are ignored, with a
     warning each (Lightning's ``strict_loading``)."""
-    content = load_engine_state(engine, module, checkpoint_id, storage_options, strict=strict)
+    content = load_engine_state(engine, module, checkpoint_id, storage_options, strict=strict,
+                                weights_only=weights_only)
     publish(engine, module)
     return content
 
@@ -399,7 +402,7 @@ def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: s
 @torch.no_grad()
 def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
                  strict: bool = True, may_lack: frozenset[str] = frozenset(), apply: bool = True,
-                 shared: bool = False) -> dict[str, Any]:
+                 shared: bool = False, weights_only: bool = True) -> dict[str, Any]:
     """The saved weights (fp32 masters cast to each parameter's dtype) and buffers into ``module``,
     from any mode and at any world size; no optimizer state. Returns Lightning's part. ``strict`` and
     ``may_lack`` as in :func:`load_engine_state`. ``apply=False``: the weights are only returned, in
@@ -407,7 +410,7 @@ def load_weights(module: nn.Module, checkpoint_id: str, storage_options: dict[st
     ``shared`` (collective: every rank loads the same checkpoint): rank 0 reads the commit marker and a
     sharded checkpoint's ``.metadata`` for every rank ([Note: shared metadata] in opening.py)."""
     opened = open_checkpoint(checkpoint_id, storage_options, team=make_team() if shared else None)
-    content = read_opened(opened, optimizer=False)
+    content = read_opened(opened, optimizer=False, weights_only=weights_only)
     state_dict = dict(content["state_dict"])
     masters = content.get(MASTERS_KEY) or {}
     params = dict(module.named_parameters())

@@ -87,14 +87,14 @@ def _zero_tree(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
     return sharded.read_whole(opened, optimizer)
 
 
-def to_lightning(tree: dict[str, Any], *, optimizer: bool = True) -> dict[str, Any]:
+def to_lightning(tree: dict[str, Any], *, optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Lightning's checkpoint format from a whole ZeRO tree: ``state_dict`` in the parameters'
     dtypes, optimizer state in PyTorch's per-parameter form, the fp32 masters where the parameters
     are kept in a lower precision, and Lightning's loops, callbacks and hyper-parameters."""
     meta = tree.get("meta") or {}
     dtypes: dict[str, str] = meta.get("param_dtypes", {})
     model: dict[str, Tensor] = tree["model"]
-    content = read_trainer_state(tree["trainer"], "checkpoint") if "trainer" in tree else {}
+    content = read_trainer_state(tree["trainer"], "checkpoint", weights_only) if "trainer" in tree else {}
     state_dict: dict[str, Tensor] = {}
     masters: dict[str, Tensor] = {}
     for fqn, value in model.items():
@@ -134,20 +134,22 @@ def _per_parameter(opt: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None, *,
-                              optimizer: bool = True) -> dict[str, Any]:
-    """Any checkpoint of this package (or an ordinary Lightning file) in Lightning's format, whole."""
-    return read_opened(open_checkpoint(checkpoint_id, storage_options), optimizer=optimizer)
+                              optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
+    """Any checkpoint of this package (or an ordinary Lightning file) in Lightning's format, whole.
+    ``weights_only=False``: the caller trusts the file, whose non-tensor state may hold any object."""
+    return read_opened(open_checkpoint(checkpoint_id, storage_options), optimizer=optimizer, weights_only=weights_only)
 
 
-def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True) -> dict[str, Any]:
+def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
     if opened.mode == "full":
-        content = from_fabric_layout(full.read_full_checked(opened.loc))
+        content = from_fabric_layout(full.read_full_checked(opened.loc, weights_only))
         # One file holding an engine tree whole (``save(zero_state_dict(...), mode="full")``, Fabric's
         # ``full`` saves before they took Fabric's layout) reads as the other modes do; Lightning's own
         # format is returned as it is, Fabric's in Lightning's.
-        return to_lightning(content, optimizer=optimizer) if is_engine_tree(content) else content
-    return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer)
+        return to_lightning(content, optimizer=optimizer, weights_only=weights_only) if is_engine_tree(content) \
+            else content
+    return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer, weights_only=weights_only)
 
 
 def is_engine_tree(content: Any) -> bool:

@@ -287,9 +287,13 @@ def refused_pickle(url: str, what: str, exc: BaseException) -> str:
     torch's own message suggests ``weights_only=False``; for a file of unknown origin that is the one
     thing not to do, so it is replaced, keeping only the refused name."""
     name = refused_global(exc)
-    return (f"{url!r} is not a valid checkpoint: its {what} holds {name}, which checkpoints never contain. It was"
-            " not unpickled (a crafted file could run code); do not load it with weights_only=False unless you"
-            " wrote it yourself.")
+    # A commit marker never holds an object, whoever wrote it: it is always read weights-only.
+    way_out = "" if "marker" in what else (
+        " Only if you wrote it yourself and trust it, load it with weights_only=False"
+        " (trainer.fit/validate/test/predict(..., weights_only=False), fabric.load(..., weights_only=False),"
+        " lightning-zero convert --no-weights-only).")
+    return (f"{url!r} is not a valid checkpoint: its {what} holds {name}, which a weights_only load does not"
+            f" unpickle (a crafted file could run code), so it was not unpickled.{way_out}")
 
 
 def _parse_marker(loc: Location, body: bytes, kind: str) -> dict[str, Any]:

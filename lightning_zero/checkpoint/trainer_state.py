@@ -41,21 +41,25 @@ def trainer_state_blob(trainer_state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def read_trainer_state(blob: bytes, url: str) -> dict[str, Any]:
-    """Lightning's loop/callback state, on CPU, never unpickling arbitrary objects.
+def read_trainer_state(blob: bytes, url: str, weights_only: bool = True) -> dict[str, Any]:
+    """Lightning's loop/callback state, on CPU.
 
     Lightning's own rule for ``weights_only`` loads: tensors, containers and plain values only.
-    Hyper-parameters that hold a class (an ``nn.Module``, a dataclass) are refused with its name and
-    the fix, never retried with ``weights_only=False`` (a crafted checkpoint would run code)."""
+    Hyper-parameters or callback state that hold a class (an ``nn.Module``, a dataclass) are refused with
+    its name and the fix, never retried with ``weights_only=False`` (a crafted checkpoint would run code).
+    ``weights_only=False`` is the caller saying it trusts the file (``trainer.fit(..., weights_only=False)``,
+    as Lightning's own loads take it): then any object is unpickled."""
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         name = storage.refused_global(exc)
         raise CheckpointCorruptError(
             f"The trainer state of checkpoint {url!r} holds {name}, which is not loaded: checkpoints are read"
             " with weights_only=True, so that a crafted file cannot run code. If you saved it yourself and trust"
             f" it, allow the class with torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1]}]) before"
-            " loading; better, keep only plain values in save_hyperparameters()."
+            " loading, or load it with weights_only=False (trainer.fit/validate/test/predict(...,"
+            " weights_only=False), fabric.load(..., weights_only=False), lightning-zero convert"
+            " --no-weights-only); better, keep only plain values in checkpoints."
         ) from None
     except Exception as exc:
         raise CheckpointCorruptError(

@@ -121,8 +121,9 @@ def _gather_bucket_to_rank0(bucket: list[tuple[str, FlatShard]], group: Any,
     return out
 
 
-def read_full_checked(loc: Location) -> Any:
-    content, found = integrity.split(file_io.torch_load(loc, loc.path), loc.path, loc.url, required=False)
+def read_full_checked(loc: Location, weights_only: bool = True) -> Any:
+    content, found = integrity.split(file_io.torch_load(loc, loc.path, weights_only), loc.path, loc.url,
+                                     required=False)
     if found is not None:  # files written by other tools (plain Lightning, convert) carry no header
         integrity.verify(content, found, loc.path, loc.url)
     return content
