@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero._lightning_fixes import install_checkpoint_reader
 from lightning_zero.checkpoint import LocalTier, ZeroCheckpointIO
+from lightning_zero.data import DataPosition, ElasticDistributedSampler
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.fabric import register_fabric_strategies
 from lightning_zero.optimizer import ZeroOptimizer
@@ -16,6 +17,6 @@ ZeroLowLevelStrategy.register_strategies(StrategyRegistry)
 register_fabric_strategies()  # Fabric(strategy="zero2")
 install_checkpoint_reader()  # LightningModule.load_from_checkpoint reads local/sharded checkpoints
 
-__all__ = ["EvenShard", "LocalTier", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",
+__all__ = ["DataPosition", "ElasticDistributedSampler", "EvenShard", "LocalTier", "ZeroCheckpointIO", "ZeroConfig", "ZeroEngine", "ZeroLowLevelStrategy", "ZeroOptimizer",
            "register_optimizer"]
 __version__ = "0.1.0"

@@ -204,3 +204,61 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
             if buffer is not None and name not in skipped:
                 out.append((f"{prefix}.{name}" if prefix else name, buffer))
     return out
+
+
+def restart_training_iterator(trainer: Any) -> None:
+    """``trainer.fit_loop._data_fetcher`` (Lightning 2.0 to 2.6): ``FitLoop.setup_data`` creates the training
+    loaders' iterators before ``on_train_start`` (a loader with workers reads its sampler at once); iterating
+    the fetcher again makes them anew, from samplers a callback has moved since (lightning_zero/data.py)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)
+
+
+# jsonargparse ------------------------------------------------------------------------------------
+
+MIN_JSONARGPARSE = "4.41"
+
+# `${a.b}` that names a key from the root: a letter first, then names, dots and [index]; resolvers
+# (`${oc.env:BUCKET}`) have a colon and relative references (`${.x}`) a leading dot, so neither matches.
+_ABSOLUTE_INTERPOLATION = re.compile(r"\$\{([A-Za-z][A-Za-z0-9_.\[\]]*)\}")
+
+
+def relative_interpolations(node: Any, path: tuple[str | int, ...] = ()) -> Any:
+    """A copy of a loaded YAML document whose absolute ``${a.b}`` are rewritten to climb from where they
+    stand to the document's root (``${....a.b}`` four keys down): OmegaConf reads a relative reference
+    from the node it sits in, so the file means the same wherever the parser mounts it (``fit.`` under
+    LightningCLI's subcommands)."""
+    if isinstance(node, dict):
+        return {key: relative_interpolations(value, (*path, key)) for key, value in node.items()}
+    if isinstance(node, list):
+        return [relative_interpolations(value, (*path, index)) for index, value in enumerate(node)]
+    if isinstance(node, str):
+        # `${.x}` is a key of the node holding the value, each further dot one node up: the value at
+        # depth len(path) reaches the root with len(path) dots.
+        return _ABSOLUTE_INTERPOLATION.sub(lambda match: "${" + "." * len(path) + match.group(1) + "}", node)
+    return node
+
+
+def omegaconf_plus_reads_from_the_file_root() -> None:
+    """Make jsonargparse's ``"omegaconf+"`` parser mode read a config file's ``${trainer.x}`` from that
+    file's root. The mode (jsonargparse 4.41 and later) resolves interpolations once the command line is
+    applied, from the root parser, where LightningCLI's keys are ``fit.trainer.x``. jsonargparse 4.42 and
+    later rewrite them with ``set_parsing_settings(omegaconf_absolute_to_relative_paths=True)``; 4.41
+    (the newest litgpt 0.5.13 admits) lacks the setting, so the same rewrite is registered here as the
+    mode's loader (``set_loader``, public since jsonargparse 4.0), before the parser registers its own
+    (4.41's ``set_omegaconf_loader`` keeps a loader already set)."""
+    import jsonargparse
+
+    if "omegaconf_absolute_to_relative_paths" in inspect.signature(jsonargparse.set_parsing_settings).parameters:
+        jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        return
+    import yaml
+
+    yaml_load = jsonargparse.get_loader("yaml")
+
+    def load(value: str) -> Any:
+        loaded = yaml_load(value)
+        return relative_interpolations(loaded) if isinstance(loaded, dict) else loaded
+
+    jsonargparse.set_loader("omegaconf+", load, (yaml.YAMLError,))

@@ -290,3 +290,26 @@ def test_persistent_buffers_are_the_buffers_state_dict_holds() -> None:
     expected = [k for k in model.state_dict() if k in dict(model.named_buffers())]
     assert names == expected
     assert "1.cos" not in names and "1.scale" in names
+
+
+def test_restart_training_iterator_makes_the_fit_loops_iterator_anew() -> None:
+    from lightning.pytorch.loops import _FitLoop
+
+    # The attribute the fit loop's setup_data iterates (and the one _compat.restart_training_iterator uses).
+    assert "iter(self._data_fetcher)" in inspect.getsource(_FitLoop.setup_data)
+
+    class Fetcher:
+        iterated = 0
+
+        def __iter__(self) -> Any:
+            Fetcher.iterated += 1
+            return iter(())
+
+    class Loop:
+        _data_fetcher = Fetcher()
+
+    class FakeTrainer:
+        fit_loop = Loop()
+
+    _compat.restart_training_iterator(FakeTrainer())
+    assert Fetcher.iterated == 1

@@ -1,0 +1,264 @@
+"""The data position of a run, kept across a resume at another world size.
+
+:class:`ElasticDistributedSampler` is a drop-in for ``torch.utils.data.DistributedSampler``: the same
+global order of an epoch (``randperm(len(dataset))`` seeded with ``seed + epoch``, the same split of it
+over the ranks), and in addition a position: the number of samples of the epoch's global order already
+consumed. After a resume at M ranks the rest of the same global order is split over the M ranks, so no
+sample of the epoch is repeated or skipped, and a resume at the world size that saved continues exactly
+as the uninterrupted run would have.
+
+:class:`DataPosition` is the Lightning callback that records the position in every checkpoint (the
+number of batches the training loop finished, not what the loader's workers prefetched) and gives it
+back to the samplers when a fit resumes.
+
+[Note: the global batch on a new world size] Each rank keeps its batch size, so a run that shrinks from
+N to M ranks takes global batches of ``M / N`` the size (and more steps per epoch). Learning-rate
+schedules written per step see more steps; a user who must keep the global batch raises
+``accumulate_grad_batches`` by ``N / M`` where it divides. The sampler does not change the batch: the
+loader's batch size is the user's, and changing it silently would change the optimisation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from lightning_zero import _compat
+
+
+class ElasticDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` with a position in the epoch that survives a change of world size.
+
+    Args:
+        dataset, shuffle, seed, drop_last: as in ``DistributedSampler``.
+        num_replicas, rank: as in ``DistributedSampler``; None takes them from the default process group
+            when the sampler is first iterated (so a loader may be built before the group exists).
+
+    A subclass of ``DistributedSampler``, so Lightning leaves it in place (``use_distributed_sampler`` does
+    not replace it). The epoch's global order is padded by its first samples to a multiple of the world size
+    (``drop_last=False``) or cut to one (``drop_last=True``), as ``DistributedSampler`` does: only then can a
+    sample repeat or be left out, and only at the epoch's end.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        # DistributedSampler.__init__ reads the process group at once; here it is read when first needed.
+        if rank is not None and num_replicas is not None and not 0 <= rank < num_replicas:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+        self.dataset = dataset
+        self._num_replicas = num_replicas
+        self._rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0
+        """Samples of this epoch's global order consumed before this iteration (by any world size)."""
+
+    @property  # type: ignore[override]
+    def num_replicas(self) -> int:
+        return self._num_replicas if self._num_replicas is not None else _world_size()
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._num_replicas = value
+
+    @property  # type: ignore[override]
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = value
+
+    @property  # type: ignore[override]
+    def num_samples(self) -> int:
+        """This rank's samples in a whole epoch, as ``DistributedSampler`` counts them (``len(sampler)``)."""
+        return self._per_rank(len(self.dataset))
+
+    @property  # type: ignore[override]
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas
+
+    def remaining(self) -> int:
+        """This rank's samples in the rest of the epoch: what an iteration yields. After a resume in the middle
+        of an epoch it is less than ``len(sampler)``, which stays the whole epoch's, as Lightning counts an
+        epoch's batches ([Note: batches of a resumed epoch])."""
+        return self._per_rank(len(self.dataset) - self.start)
+
+    def _per_rank(self, samples: int) -> int:
+        if self.drop_last:
+            return samples // self.num_replicas
+        return math.ceil(samples / self.num_replicas)
+
+    def global_order(self) -> list[int]:
+        """The epoch's order over all ranks, the same at every world size."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=generator).tolist()
+        return list(range(len(self.dataset)))
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        rest = self.global_order()[self.start:]
+        total = self.remaining() * self.num_replicas
+        if len(rest) < total:  # padded with the rest's first samples, as DistributedSampler pads
+            rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
+        return iter(rest[:total][self.rank:total:self.num_replicas])
+
+    @override
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @override
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts from its first sample; the epoch a resume is in keeps its position."""
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, consumed: int) -> None:
+        """Continue epoch ``epoch`` after its first ``consumed`` samples (of the global order)."""
+        if not 0 <= consumed <= len(self.dataset):
+            raise ValueError(f"ElasticDistributedSampler.resume_at: {consumed} samples consumed of an epoch of"
+                             f" {len(self.dataset)}: the checkpoint was saved with another dataset.")
+        self.epoch = epoch
+        self.start = consumed
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class DataPosition(Callback):
+    """Records where each :class:`ElasticDistributedSampler` of the training loaders is in its epoch, in every
+    checkpoint, and puts it back when a fit resumes, at any world size::
+
+        sampler = ElasticDistributedSampler(dataset, shuffle=True, seed=7)
+        loader = DataLoader(dataset, batch_size=8, sampler=sampler)
+        trainer = Trainer(strategy="zero2", callbacks=[DataPosition()], ...)
+        trainer.fit(model, loader, ckpt_path="last")
+
+    The position is counted from the batches the training loop finished (each rank's batch size times the
+    world size), not from the sampler, whose loader's workers read ahead. Every rank of a data-parallel run
+    finishes the same number of batches, so every rank saves the same position.
+    """
+
+    def __init__(self) -> None:
+        self._base: list[int] = []
+        """Per sampler: samples of the epoch consumed before this fit's first batch of it."""
+        self._batches = 0
+        """Batches finished since then."""
+        self._loaded: dict[str, Any] | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return "lightning_zero.DataPosition"
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        samplers = _samplers(trainer)
+        self._base = [0] * len(samplers)
+        self._batches = 0
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return
+        positions = loaded.get("samplers", [])
+        if len(positions) != len(samplers):
+            raise ValueError(f"The checkpoint records the position of {len(positions)} ElasticDistributedSampler(s),"
+                             f" the training loaders have {len(samplers)}: resume with the loaders it was saved with.")
+        for index, (sampler, position) in enumerate(zip(samplers, positions)):
+            if position["dataset_size"] != len(sampler.dataset):
+                raise ValueError(f"The checkpoint's data position is for a dataset of {position['dataset_size']}"
+                                 f" samples, this loader's has {len(sampler.dataset)}: resume with the same dataset.")
+            sampler.resume_at(position["epoch"], position["consumed"])
+            self._base[index] = position["consumed"]
+        if positions and positions[0]["epoch"] == trainer.current_epoch:  # in the middle of the epoch
+            _renumber_batches(trainer, positions[0]["consumed"] // (_batch_size(_loaders(trainer)[0])
+                                                                    * samplers[0].num_replicas))
+            _compat.restart_training_iterator(trainer)  # made before this hook, from the epoch's start
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not called when a fit resumes in the middle of an epoch: the loaded position stays the base.
+        self._base = [0] * len(self._base)
+        self._batches = 0
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._batches += 1
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None:
+            return {"samplers": []}
+        positions = []
+        for sampler, loader, base in zip(_samplers(trainer), _loaders(trainer), self._base):
+            consumed = base + self._batches * _batch_size(loader) * sampler.num_replicas
+            positions.append({"epoch": sampler.epoch, "consumed": min(consumed, len(sampler.dataset)),
+                              "dataset_size": len(sampler.dataset), "seed": sampler.seed})
+        return {"samplers": positions}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+
+def _renumber_batches(trainer: Trainer, done: int) -> None:
+    """[Note: batches of a resumed epoch] Lightning counts an epoch in batches of the world size that saved
+    (3 batches done of 6 on 2 ranks); at another world size the same samples are another number of batches
+    (2 of 4 on 3 ranks). The epoch loop ends the epoch by that count and numbers ``batch_idx`` by it, so its
+    counters are moved to the batches the consumed samples make at this world size, each by the same amount
+    (their differences say at which hook the checkpoint was saved). The loader, built on the full epoch,
+    has its length; the sampler yields the rest, and the epoch ends where both do."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = done - progress.ready
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(progress, counter, max(0, getattr(progress, counter) + shift))
+
+
+def _loaders(trainer: Trainer) -> list[DataLoader]:
+    """The training DataLoaders whose sampler is an ElasticDistributedSampler, in a fixed order."""
+    found: list[DataLoader] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, DataLoader):
+            if isinstance(value.sampler, ElasticDistributedSampler):
+                found.append(value)
+        elif isinstance(value, dict):
+            for key in sorted(value):
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(trainer.train_dataloader)
+    return found
+
+
+def _samplers(trainer: Trainer) -> list[ElasticDistributedSampler]:
+    return [loader.sampler for loader in _loaders(trainer)]  # type: ignore[misc]
+
+
+def _batch_size(loader: DataLoader) -> int:
+    batch_sampler = loader.batch_sampler
+    size = getattr(batch_sampler, "batch_size", None)
+    if not isinstance(size, int):
+        raise ValueError("DataPosition counts samples as batches x batch size: give the DataLoader a batch_size"
+                         " (not a batch_sampler of its own) with an ElasticDistributedSampler.")
+    return size
