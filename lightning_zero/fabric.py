@@ -377,10 +377,14 @@ class ZeroLowLevelStrategy(DDPStrategy):
         module_key, module, engine = self._split_state(state)
         optimizer_keys = [key for key, value in state.items() if isinstance(value, Optimizer)]
         if engine is None:  # set up without optimizers (inference): the weights, from any mode
-            content = self._load_weights(module, url, options, strict, weights_only=not trusted)
+            content = self._load_weights(module, url, options, strict, weights_only=not trusted, module_key=module_key)
         else:
+            # A file another strategy's fabric.save wrote (Fabric's DDP) records no keys: the state's say them.
+            index = {id(opt): i for i, opt in enumerate(engine.optimizers)}
+            ordered = sorted(optimizer_keys, key=lambda key: index[id(state[key])])
             content = self._load_module(engine, module, url, options, with_optimizers=bool(optimizer_keys),
-                                        strict=strict, weights_only=not trusted)
+                                        strict=strict, weights_only=not trusted,
+                                        fabric_keys={"module": module_key, "optimizers": ordered})
         for key in _LIGHTNING_OWN:
             content.pop(key, None)
         rest = {k: v for k, v in state.items() if k != module_key and k not in optimizer_keys}
@@ -398,30 +402,38 @@ class ZeroLowLevelStrategy(DDPStrategy):
         return content
 
     def _load_weights(self, module: nn.Module, url: str, options: dict[str, Any], strict: bool,
-                      weights_only: bool = True) -> dict[str, Any]:
+                      weights_only: bool = True, module_key: str | None = None) -> dict[str, Any]:
         """The weights of any checkpoint of this package, or of a file holding a plain ``state_dict``
         (``fabric.load_raw(path, module)``); returns the checkpoint's other content. A module trained by an
         engine gets the exact masters (its optimizers keep their state)."""
         module = _unwrap_module(module)
         engine = self._engines.get(module)
         if engine is not None:
-            return self._load_module(engine, module, url, options, with_optimizers=False, weights_only=weights_only)
+            keys = {"module": module_key, "optimizers": []} if module_key is not None else None
+            return self._load_module(engine, module, url, options, with_optimizers=False, weights_only=weights_only,
+                                     fabric_keys=keys)
         content = read_lightning_checkpoint(url, options, optimizer=False, weights_only=weights_only)
         if "state_dict" in content:
             return load_weights(module, url, options, strict=strict, weights_only=weights_only)
-        with torch.no_grad():  # a plain ``torch.save(model.state_dict())`` file
+        if module_key is not None and isinstance(content.get(module_key), dict):  # another strategy's fabric.save
+            rest = {k: v for k, v in content.items() if k != module_key}
+            content = content[module_key]
+        else:  # a plain ``torch.save(model.state_dict())`` file
+            rest = {}
+        with torch.no_grad():
             module.load_state_dict(content, strict=strict)
-        return {}
+        return rest
 
     @staticmethod
     def _load_module(engine: ZeroEngine, module: nn.Module, url: str, options: dict[str, Any],
-                     with_optimizers: bool, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
+                     with_optimizers: bool, strict: bool = True, weights_only: bool = True,
+                     fabric_keys: dict[str, Any] | None = None) -> dict[str, Any]:
         """(every rank) The masters, buffers and, ``with_optimizers``, the optimizers' state from ``url``;
         returns the checkpoint's other content."""
         wait_for_staging()  # a save still copying the masters finishes before they are overwritten
         kept = [] if with_optimizers else [copy.deepcopy(opt.state_dict()) for opt in engine.optimizers]
         content = dict(load_zero_state_dict(engine, module, url, storage_options=options, strict=strict,
-                                            weights_only=weights_only))
+                                            weights_only=weights_only, fabric_keys=fabric_keys))
         for opt, state in zip(engine.optimizers, kept, strict=False):
             opt.load_state_dict(state)  # only the weights were asked for: the optimizers stay as they were
         return content

@@ -79,10 +79,11 @@ def fabric_pretrain_loop(rank: int, world_size: int, strategy: str, mode: str, p
     return {"weights": weights}
 
 
-def fabric_load_back(rank: int, world_size: int, path: str) -> dict[str, Any]:
+def fabric_load_back(rank: int, world_size: int, path: str, resave: str | None = None) -> dict[str, Any]:
     """``fabric.load(path)`` (no state: the whole checkpoint) and ``fabric.load(path, state)`` into a fresh
-    zero2 loop: what a resume gets."""
-    fabric = make_fabric(rank, world_size, _fabric_strategy("zero2"))
+    zero2 loop: what a resume gets. ``resave``: the loaded state saved again there, as one full file."""
+    plugins = [ZeroCheckpointIO(mode="full", async_save=False)] if resave else None
+    fabric = make_fabric(rank, world_size, _fabric_strategy("zero2"), plugins=plugins)
     whole = fabric.load(path)
     model = fabric.setup_module(RopeNet())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
@@ -90,6 +91,8 @@ def fabric_load_back(rank: int, world_size: int, path: str) -> dict[str, Any]:
                              "train_dataloader": {}}
     fabric.load(path, state)
     weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    if resave:
+        fabric.save(resave, state)
     fabric.strategy.teardown()
     return {"whole_keys": sorted(whole), "whole_model": {k: v.clone() for k, v in whole["model"].items()},
             "iter_num": state["iter_num"], "dataloader": state["train_dataloader"], "weights": weights}
@@ -152,6 +155,9 @@ def fabric_runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
         out[f"{strategy}-{mode}"] = {"path": path, **fabric_pretrain_loop(rank, world_size, strategy, mode, path)}
     for strategy, mode in FABRIC_RUNS[1:]:
         out[f"{strategy}-{mode}"]["loaded"] = fabric_load_back(rank, world_size, out[f"{strategy}-{mode}"]["path"])
+    # A run that saved under Fabric's DDP goes on under zero2: its file loads, and saves again the same.
+    out["ddp-full"]["loaded"] = fabric_load_back(rank, world_size, out["ddp-full"]["path"],
+                                                 resave=os.path.join(root, "ddp-full-resaved.pth"))
     return out
 
 

@@ -93,6 +93,24 @@ def test_every_mode_reads_back_in_fabrics_layout_and_resumes(root: str, mode: st
     torch.optim.AdamW(RopeNet().parameters()).load_state_dict(ckpt["optimizer"])
 
 
+def test_a_file_fabrics_ddp_wrote_resumes_under_zero2_with_its_optimizer_state(root: str) -> None:
+    """The strategy line of a running project changed from DDP to zero2: ``fabric.load(path, state)`` reads the
+    file DDP's ``fabric.save`` wrote (it records no keys of this package: the state's keys say them)."""
+    runs = fabric_results(root)
+    ddp_file = torch.load(runs[0]["ddp-full"]["path"], map_location="cpu", weights_only=True)
+    for rank, per_rank in enumerate(runs):
+        loaded = per_rank["ddp-full"]["loaded"]
+        assert loaded["iter_num"] == STEPS and loaded["dataloader"] == {"position": 3 * 6}, f"rank {rank}"
+        for key, value in ddp_file["model"].items():
+            assert torch.equal(loaded["weights"][key], value), f"rank {rank}: {key}"
+    resaved = torch.load(Path(root) / "ddp-full-resaved.pth", map_location="cpu", weights_only=True)
+    assert sorted(resaved["optimizer"]["state"]) == sorted(ddp_file["optimizer"]["state"])
+    for index, entry in ddp_file["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(resaved["optimizer"]["state"][index][key], value), f"param {index}, {key}"
+    assert resaved["optimizer"]["param_groups"] == ddp_file["optimizer"]["param_groups"]
+
+
 @pytest.mark.parametrize("run", [f"{s}-{m}" for s, m in TRAINER_RUNS])
 def test_trainer_checkpoints_leave_non_persistent_buffers_out_and_resume(root: str, run: str) -> None:
     results = trainer_results(root)

@@ -178,7 +178,8 @@ class PendingWeights:
 def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                           storage_options: dict[str, Any] | None = None, *, strict: bool = True,
                           may_lack: frozenset[str] = frozenset(),
-                          pending: list[PendingWeights] | None = None, weights_only: bool = True) -> dict[str, Any]:
+                          pending: list[PendingWeights] | None = None, weights_only: bool = True,
+                          fabric_keys: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill this rank's shards (masters, optimizer state, hyper-parameters) and the buffers from a
     checkpoint of any mode; Lightning's part of it comes back. No collective on the training group:
     call :func:`publish` on every rank once every rank has loaded.
@@ -191,7 +192,9 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     weights]): the returned ``state_dict`` holds placeholders (``local``/``sharded``) or the saved tensors
     (``full``), and a :class:`PendingWeights` appended to the list says how to finish with
     :func:`apply_pending_weights`; the key checks wait for it too. ``weights_only=False``: the caller trusts
-    the file (Lightning's ``weights_only`` argument): its non-tensor state may hold any object."""
+    the file (Lightning's ``weights_only`` argument): its non-tensor state may hold any object.
+    ``fabric_keys``: ``fabric.load``'s state keys, so a file Fabric's DDP wrote reads as Fabric's layout
+    (:func:`~lightning_zero.checkpoint.reader.from_fabric_layout`)."""
     options = storage_options or {}
     # Opened once for the whole load: the team's coordinator reads the marker and a sharded
     # checkpoint's .metadata for every rank ([Note: shared metadata] in opening.py).
@@ -204,7 +207,7 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     keys: set[str] = set()
     content: dict[str, Any] = {}
     if mode == "full":
-        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc, weights_only)), loc)
+        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc, weights_only), fabric_keys), loc)
     else:
         keys = checked_on_every_rank(lambda: saver.saved_tensor_keys(opened), loc)
     if mode == "full":
@@ -387,14 +390,14 @@ def publish(engine: ZeroEngine, module: nn.Module) -> None:
 
 def load_zero_state_dict(engine: ZeroEngine, module: nn.Module, checkpoint_id: str, *,
                          storage_options: dict[str, Any] | None = None, strict: bool = True,
-                         weights_only: bool = True) -> dict[str, Any]:
+                         weights_only: bool = True, fabric_keys: dict[str, Any] | None = None) -> dict[str, Any]:
     """(every rank) Resume a fresh engine from a checkpoint of any mode, in one call: master weights,
     optimizer state and hyper-parameters, the model's weights and buffers. Returns the checkpoint's
     other content (for a Lightning checkpoint: loops, callbacks, ...). ``strict=False``: weights the
     checkpoint lacks keep the module's values and the ones it holds in excess are ignored, with a
     warning each (Lightning's ``strict_loading``)."""
     content = load_engine_state(engine, module, checkpoint_id, storage_options, strict=strict,
-                                weights_only=weights_only)
+                                weights_only=weights_only, fabric_keys=fabric_keys)
     publish(engine, module)
     return content
 

@@ -43,11 +43,16 @@ def _fabric_keys(content: dict[str, Any]) -> dict[str, Any] | None:
     return keys if isinstance(keys, dict) else None
 
 
-def from_fabric_layout(content: Any) -> Any:
+def from_fabric_layout(content: Any, caller_keys: dict[str, Any] | None = None) -> Any:
     """A file in Fabric's layout (what ``fabric.save`` writes in ``full`` mode: the state's keys at the top, the
     module's ``state_dict`` and each optimizer's per-parameter state under their own keys) in Lightning's
-    (``state_dict``, ``optimizer_states``), the other keys as they are. Any other content is returned as it is."""
+    (``state_dict``, ``optimizer_states``), the other keys as they are. Any other content is returned as it is.
+
+    ``caller_keys`` (``fabric.load(path, state)``: the state's keys, in the form of :data:`FABRIC_KEYS`) read a
+    file another strategy's ``fabric.save`` wrote (Fabric's DDP), which records no keys, the same way."""
     keys = _fabric_keys(content) if isinstance(content, dict) else None
+    if keys is None and caller_keys is not None and _foreign_fabric_file(content, caller_keys["module"]):
+        keys = caller_keys
     if keys is None or keys["module"] not in content:
         return content
     out = dict(content)
@@ -56,6 +61,13 @@ def from_fabric_layout(content: Any) -> Any:
     if optimizers:
         out["optimizer_states"] = [out.pop(key) for key in optimizers]
     return out
+
+
+def _foreign_fabric_file(content: Any, module_key: str) -> bool:
+    """A plain ``torch.save`` of ``{module_key: state_dict, ...}``: none of this package's keys, not Lightning's."""
+    ours = ("state_dict", META_KEY, "meta", "trainer")
+    return isinstance(content, dict) and not any(key in content for key in ours) \
+        and isinstance(content.get(module_key), dict) and all(isinstance(v, Tensor) for v in content[module_key].values())
 
 
 def to_fabric_layout(content: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +165,11 @@ def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True, weights_onl
 
 
 def is_engine_tree(content: Any) -> bool:
-    """Whether a whole checkpoint is the tree of ``zero_state_dict`` (``model/...``), not Lightning's format."""
-    return isinstance(content, dict) and isinstance(content.get("model"), dict) and "state_dict" not in content
+    """Whether a whole checkpoint is the tree of ``zero_state_dict`` (``model/...``), not Lightning's format, nor
+    a file another strategy's ``fabric.save`` wrote (``{"model": state_dict, "optimizer": {...}, ...}``: no
+    ``meta`` or ``trainer`` entry, an optimizer that is one state dict, not the tree's list)."""
+    return isinstance(content, dict) and isinstance(content.get("model"), dict) and "state_dict" not in content \
+        and ("meta" in content or "trainer" in content or isinstance(content.get("optimizer"), list))
 
 
 def is_zero_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> bool:
