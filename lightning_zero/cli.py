@@ -6,6 +6,7 @@
     lightning-zero validate --config configs/tiny_gpt.yaml --ckpt_path runs/tiny_gpt/checkpoints/last.ckpt
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt model.ckpt          # one full Lightning file
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt hf-model --to hf    # a save_pretrained folder
+    lightning-zero convert --from deepspeed runs/ds/epoch=0-step=20.ckpt model.ckpt  # a DeepSpeed ZeRO-1/2 folder
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def convert_main(args: list[str]) -> int:
     parser.add_argument("src", help="checkpoint path or URL (the file ModelCheckpoint wrote)")
     parser.add_argument("dst", help="output file (--to lightning) or folder (--to hf)")
     parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
+    parser.add_argument("--from", dest="source", choices=("auto", "deepspeed"), default="auto",
+                        help="deepspeed: SRC is a DeepSpeed ZeRO-1/2 checkpoint folder (read without DeepSpeed);"
+                        " auto (the default) tells one by its files")
+    parser.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-optimizer: weights and Lightning's state only (a DeepSpeed checkpoint of an"
+                        " optimizer other than Adam/AdamW converts that way)")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
     parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
                         help="read the checkpoint's non-tensor state as torch.load(weights_only=True) does"
@@ -103,7 +110,7 @@ def convert_main(args: list[str]) -> int:
     options = parser.parse_args(args)
     try:
         written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size,
-                          weights_only=options.weights_only)
+                          weights_only=options.weights_only, source=options.source, optimizer=options.optimizer)
     except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError) as exc:
         # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
         # message names the fix, a traceback would bury it.

@@ -1,6 +1,7 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
 from lightning_zero.checkpoint.convert import convert, save_pretrained
+from lightning_zero.checkpoint.deepspeed_in import DeepSpeedCheckpoint, read_deepspeed
 from lightning_zero.checkpoint.engine_tree import zero_state_dict
 from lightning_zero.checkpoint.lightning_tree import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.metrics import CheckpointMetrics, SaveStats
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CheckpointTuning",
+    "DeepSpeedCheckpoint",
     "FlatShard",
     "LocalTier",
     "SaveStats",
@@ -44,6 +46,7 @@ __all__ = [
     "load_weights",
     "load_zero_state_dict",
     "maybe_finalize_async_calls",
+    "read_deepspeed",
     "read_lightning_checkpoint",
     "read_mode",
     "remove",

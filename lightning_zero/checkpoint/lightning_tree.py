@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import (
     MASTERS_KEY,
     META_KEY,
-    from_fabric_layout,
+    read_full_content,
     read_opened,
 )
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
@@ -207,7 +207,8 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     keys: set[str] = set()
     content: dict[str, Any] = {}
     if mode == "full":
-        content = checked_on_every_rank(lambda: from_fabric_layout(full.read_full_checked(loc, weights_only), fabric_keys), loc)
+        # Also a DeepSpeed ZeRO-1/2 folder, read into the same Lightning dict (reader.read_full_content).
+        content = checked_on_every_rank(lambda: read_full_content(opened, weights_only, fabric_keys=fabric_keys), loc)
     else:
         keys = checked_on_every_rank(lambda: saver.saved_tensor_keys(opened), loc)
     if mode == "full":

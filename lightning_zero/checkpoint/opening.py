@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zero.checkpoint import dcp_integrity, storage
+from lightning_zero.checkpoint import dcp_integrity, deepspeed_files, storage
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, validate_marker_mode
 from lightning_zero.checkpoint.modes import sharded as sharded_mode
 from lightning_zero.checkpoint.scheduler import checkpointer
@@ -35,13 +35,14 @@ def open_checkpoint(checkpoint: str | Location, storage_options: dict[str, Any] 
         return _open_here(loc, tuning)
     checkpointer().finalize(blocking=True)  # its background collectives use the same group
 
-    def read() -> tuple[dict[str, Any] | None, bytes | None]:
+    def read() -> tuple[dict[str, Any] | None, bytes | None, bool]:
         opened = _open_here(loc, tuning)
-        return opened.marker, sharded_mode.read_metadata_bytes(opened) if opened.mode == "sharded" else None
+        metadata = sharded_mode.read_metadata_bytes(opened) if opened.mode == "sharded" else None
+        return opened.marker, metadata, opened.deepspeed
 
-    marker, metadata = from_coordinator(read, team, "this checkpoint's commit marker and .metadata")
+    marker, metadata, deepspeed = from_coordinator(read, team, "this checkpoint's commit marker and .metadata")
     opened = OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
-                              tuning=tuning)
+                              tuning=tuning, deepspeed=deepspeed)
     if metadata is not None:
         # Unpickled here, once, on every rank (the same bytes fail the same way everywhere).
         opened.metadata = dcp_integrity.unpickle_metadata(metadata, loc.url, opened.tuning.pause_gc)
@@ -49,6 +50,12 @@ def open_checkpoint(checkpoint: str | Location, storage_options: dict[str, Any] 
 
 
 def _open_here(loc: Location, tuning: CheckpointTuning) -> OpenedCheckpoint:
-    marker = storage.read_marker(loc)
+    try:
+        marker = storage.read_marker(loc)
+    except storage.CheckpointNotFoundError:
+        # A folder of DeepSpeed's is read whole, as a full file is; looked for only where no marker is.
+        if deepspeed_files.tag_folder(loc) is not None:
+            return OpenedCheckpoint(loc, None, "full", tuning=tuning, deepspeed=True)
+        raise
     return OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
                             tuning=tuning)

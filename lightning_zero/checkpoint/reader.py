@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint import deepspeed_files, deepspeed_in, storage
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, full, local, sharded
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.storage import CheckpointCorruptError
@@ -155,13 +155,44 @@ def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any
 def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
     if opened.mode == "full":
-        content = from_fabric_layout(full.read_full_checked(opened.loc, weights_only))
+        content = read_full_content(opened, weights_only, optimizer)
         # One file holding an engine tree whole (``save(zero_state_dict(...), mode="full")``, Fabric's
         # ``full`` saves before they took Fabric's layout) reads as the other modes do; Lightning's own
         # format is returned as it is, Fabric's in Lightning's.
         return to_lightning(content, optimizer=optimizer, weights_only=weights_only) if is_engine_tree(content) \
             else content
     return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer, weights_only=weights_only)
+
+
+def read_full_content(opened: OpenedCheckpoint, weights_only: bool = True, optimizer: bool = True,
+                      fabric_keys: dict[str, Any] | None = None) -> Any:
+    """A ``full`` checkpoint's content, Fabric's layout read as Lightning's (``fabric_keys``: as in
+    :func:`from_fabric_layout`); a DeepSpeed folder as the same Lightning dict (its files are always read
+    restricted: ``weights_only`` does not apply to them)."""
+    if opened.deepspeed:
+        return deepspeed_as_lightning(deepspeed_in.read_deepspeed(opened.loc, optimizer=optimizer))
+    return from_fabric_layout(full.read_full_checked(opened.loc, weights_only), fabric_keys)
+
+
+def deepspeed_as_lightning(checkpoint: deepspeed_in.DeepSpeedCheckpoint) -> dict[str, Any]:
+    """A DeepSpeed checkpoint in Lightning's format (what ``convert --from deepspeed`` writes): the client state's
+    loops, callbacks and schedulers at the top, ``state_dict`` in the module's names and training dtype,
+    ``optimizer_states[0]`` per parameter in the param groups' order, the fp32 masters of low-precision weights."""
+    import lightning
+
+    content: dict[str, Any] = {**checkpoint.client_state, "state_dict": checkpoint.state_dict}
+    # A DeepSpeed user's folder has no Lightning version; Lightning migrates a checkpoint by it, and this one
+    # is built in the installed version's format.
+    content.setdefault("pytorch-lightning_version", lightning.__version__)
+    if checkpoint.optimizer_state is not None:
+        content["optimizer_states"] = [checkpoint.optimizer_state]
+    if checkpoint.masters:
+        content[MASTERS_KEY] = checkpoint.masters
+    if checkpoint.scaler_state is not None:
+        content["MixedPrecision"] = checkpoint.scaler_state  # Lightning restores its precision plugin by class name
+    content[META_KEY] = {"param_dtypes": checkpoint.param_dtypes, "state_dict_keys": list(checkpoint.state_dict),
+                         "aliases": checkpoint.aliases, "source": checkpoint.source}
+    return content
 
 
 def is_engine_tree(content: Any) -> bool:
@@ -173,8 +204,13 @@ def is_engine_tree(content: Any) -> bool:
 
 
 def is_zero_checkpoint(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether the path is a commit marker of this package (a ``local``/``sharded`` checkpoint)."""
+    """Whether the path is a commit marker of this package (a ``local``/``sharded`` checkpoint) or a DeepSpeed
+    ZeRO-1/2 folder: a checkpoint :func:`read_lightning_checkpoint` assembles and ``torch.load`` cannot read."""
     try:
-        return storage.read_marker(storage.resolve(checkpoint_id, storage_options)) is not None
+        loc = storage.resolve(checkpoint_id, storage_options)
+        try:
+            return storage.read_marker(loc) is not None
+        except storage.CheckpointNotFoundError:
+            return deepspeed_files.tag_folder(loc) is not None
     except (storage.CheckpointNotFoundError, CheckpointCorruptError, OSError, ValueError):
         return False

@@ -43,6 +43,9 @@ class OpenedCheckpoint:
     """Reader threads and the collector pause of this load's reads."""
     read_ahead: dict[str, Any] = field(default_factory=dict)
     """``local``: rank files already read and verified (the key check reads the file the load uses)."""
+    deepspeed: bool = False
+    """A DeepSpeed ZeRO-1/2 checkpoint folder (mode ``full``): read whole, into Lightning's format, by
+    :mod:`~lightning_zero.checkpoint.deepspeed_in` (``reader.read_full_content``)."""
     _version_dir_checked: bool = False
 
     @property
