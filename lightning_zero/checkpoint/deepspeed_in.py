@@ -94,8 +94,8 @@ class _ParamState:
         self.master[own] = partition[there]
         for key, value in moments.items():
             self.moments.setdefault(key, torch.empty_like(self.master))[own] = value[there]
-        if "step" in state:
-            self.step = torch.as_tensor(state["step"], dtype=torch.float32)
+        if "step" in state:  # a copy: a tensor of the rank file would keep the whole memory-mapped file alive
+            self.step = torch.as_tensor(state["step"], dtype=torch.float32).clone()
         self.covered += high - low
 
 
