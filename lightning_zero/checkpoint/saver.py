@@ -239,7 +239,7 @@ class _SaveJob:
                 self.stats.bytes_written = (self.planned_bytes if self.planned_bytes is not None
                                             else _bytes_written(self.state, self.mode, self.team.rank))
         finally:
-            # The staged copy goes before the caller learns the outcome: the executor keeps the job
+            # The staged copy goes before the caller learns the outcome: the worker keeps the job
             # referenced until after the future is resolved, and a save's host copy is a model's size.
             self.state = None
 
@@ -428,19 +428,34 @@ def _prepare_load(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Te
 
 
 def saved_tensor_keys(opened: OpenedCheckpoint) -> set[str]:
-    """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds. A ``local`` one is read from
-    this rank's own file when the world size matches (kept in ``opened`` for the load that follows),
-    rank 0's otherwise (the load will refuse the world size with a clear message)."""
+    """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds (a ``local`` one from
+    :func:`_own_rank_file`)."""
     marker = opened.marker
     if marker is None:
         raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
     if opened.mode == "sharded":
         return set(sharded.read_dcp_metadata(opened.loc, sharded.dcp_reader(opened)).state_dict_metadata)
+    content = _own_rank_file(opened)
+    return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
+
+
+def _own_rank_file(opened: OpenedCheckpoint) -> Any:
+    """The ``local`` rank file this rank reads ahead of its load: its own when the world size matches (kept in
+    ``opened``), rank 0's otherwise (the load will refuse the world size with a clear message)."""
+    marker = opened.marker
+    assert marker is not None
     rank, world_size = world()
     hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
     reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
-    content = local.read_rank_file(opened, reader_rank, keep=True)
-    return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
+    return local.read_rank_file(opened, reader_rank, keep=True)
+
+
+def saved_param_groups(opened: OpenedCheckpoint) -> list[list[dict[str, Any]]]:
+    """Each saved optimizer's param groups (hyper-parameters, ``params`` as parameter names) of a ``local``
+    or ``sharded`` checkpoint, read before the load that follows (a ``local`` rank file stays read ahead)."""
+    objects = sharded.read_objects(opened)[0] if opened.mode == "sharded" else _own_rank_file(opened)
+    saved = objects.get("optimizer") or []
+    return [list(entry.get("param_groups") or []) for entry in saved]
 
 
 def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> Mode:

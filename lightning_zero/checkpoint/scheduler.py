@@ -1,5 +1,6 @@
 """The async scheduler: one worker thread per process runs saves, removals and links in the order
-they were queued; the training thread queues, waits for staging and finalizes.
+they were queued; the training thread queues, waits for staging and finalizes. The thread lives only
+while there is work queued ([Note: a worker that ends with its work]).
 
 A save's error is raised on the training thread at the next finalize (the next save, a load,
 teardown), once. Removals and links queued behind a save run only if it committed. The staging
@@ -13,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,13 +41,74 @@ class PendingSave:
     stats: SaveStats | None = None
 
 
+class SerialWorker:
+    """Runs submitted calls one at a time, in submission order, on a thread that exists only while
+    calls are queued.
+
+    [Note: a worker that ends with its work]
+    A thread kept for the life of the process outlives the work that needed it: Lightning's spawn
+    launcher removes the workers' weights file from the launching process through the checkpoint IO
+    (a removal, queued here), and ``trainer.save_checkpoint`` after ``fit`` saves with no teardown
+    to follow; a pool's idle thread stayed alive in both, which Lightning's own test suite fails as
+    a zombie. Here the thread leaves once the queue is empty (it clears ``_thread`` under the lock,
+    so a call submitted after that starts a new one: none is stranded), and :meth:`join_idle` waits
+    for a leaving thread, so that a blocking finalize returns with no thread of ours left. One
+    thread per burst of work costs one thread start per save (tens of microseconds)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[Future, Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._leaving: threading.Thread | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._queue.append((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self._name}_0", daemon=True)
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._leaving, self._thread = self._thread, None
+                    return
+                future, fn, args = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # delivered to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn, args  # nothing of a finished call stays referenced by an idle loop
+
+    def join_idle(self) -> None:
+        """(the submitting thread) If nothing is queued, wait until the thread that ran the last call has left."""
+        with self._lock:
+            if self._queue:
+                return
+            leaving = self._thread or self._leaving
+        if leaving is not None and leaving is not threading.current_thread():
+            leaving.join()
+
+    def alive(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+
 class AsyncCheckpointer:
     """The worker thread, the save in flight, the removals queued behind it, the figures of committed
     saves and the staging buffers of this process."""
 
     def __init__(self) -> None:
         self.stager = Stager()
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker = SerialWorker("lightning_zero_ckpt")
         self._pending: PendingSave | None = None
         self._removals: list[tuple[Location, Future]] = []
         # Figures of committed saves, appended by the worker thread, drained by the training thread
@@ -57,17 +119,13 @@ class AsyncCheckpointer:
         self._submitted_stats: SaveStats | None = None
 
     def shut_down(self) -> None:
-        """End the worker thread once what it was given is done (the next save starts another)."""
+        """Wait for what the worker was given and for its thread to end (the next save starts another)."""
         self._reap_removals(blocking=True)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._worker.join_idle()
 
-    def executor(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            # One worker: saves and removals run in submission order.
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero_ckpt")
-        return self._executor
+    def executor(self) -> SerialWorker:
+        """The one worker: saves and removals run in submission order."""
+        return self._worker
 
     def submit(self, url: str, job: Callable[[threading.Event], Any], stats: SaveStats | None = None) -> PendingSave:
         """Queue ``job`` after the save in flight. A failure of that one is raised (once) only after
@@ -124,25 +182,36 @@ class AsyncCheckpointer:
         removal only warns (the checkpoint it meant to delete is still a valid one)."""
         self._reap_removals(blocking)
         pending = self._pending
-        if pending is None:
-            return not self._removals
-        if not blocking and not pending.future.done():
+        if pending is not None:
+            if not blocking and not pending.future.done():
+                return False
+            self._pending = None
+            try:
+                pending.future.result()
+            except CheckpointSaveError:
+                raise
+            except Exception as exc:
+                raise CheckpointSaveError(f"Saving checkpoint {pending.url!r} failed: {exc}") from exc
+            if pending.stats is not None:
+                self._record(pending.future, pending.stats)
+        if self._removals:
             return False
-        self._pending = None
-        try:
-            pending.future.result()
-        except CheckpointSaveError:
-            raise
-        except Exception as exc:
-            raise CheckpointSaveError(f"Saving checkpoint {pending.url!r} failed: {exc}") from exc
-        if pending.stats is not None:
-            self._record(pending.future, pending.stats)
+        if blocking:
+            self._worker.join_idle()  # nothing is queued: the thread is leaving ([Note: a worker that ends with its work])
         return True
 
     def remove_after_pending(self, loc: Location) -> None:
-        """Remove ``loc`` once the save in flight has committed (never before; not if it fails)."""
+        """Remove ``loc`` once the save in flight has committed (never before; not if it fails). With no save in
+        flight and nothing queued, now, on the caller's thread: no thread is started for a removal alone
+        ([Note: a worker that ends with its work])."""
         pending = self._pending
         after = pending.future if pending is not None else None
+        if after is None and not self._removals and not self._worker.alive():
+            try:
+                storage.remove(loc)
+            except Exception as exc:  # the checkpoint it meant to delete is still a valid one
+                rank_zero_warn(f"Could not remove old checkpoint {loc.url!r}: {exc}. Delete it by hand.")
+            return
 
         def job() -> None:
             if after is not None and after.exception() is not None:
