@@ -443,9 +443,10 @@ def threads_after_fit(rank: int, world_size: int, root: str) -> dict[str, Any]:
     trainer.fit(EvalNet(), loader(2, 1, world_size))
     left = sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_zero"))
     trainer.save_checkpoint(f"{root}/after-fit.ckpt")
+    left_by_save = sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_zero"))
     torch.distributed.barrier()
     saved = read_lightning_checkpoint(f"{root}/after-fit.ckpt", optimizer=False)["global_step"] if rank == 0 else 2
-    return {"threads": left, "saved_step": saved}
+    return {"threads": left, "threads_after_save": left_by_save, "saved_step": saved}
 
 
 class Migrating(EvalNet):
@@ -577,3 +578,78 @@ def marker_reads(rank: int, world_size: int, root: str, mode: str) -> dict[str, 
     finally:
         storage.read_marker = original  # type: ignore[assignment]
     return counts
+
+
+class LayerByLayer(LightningModule):
+    """A stack whose optimizer starts with its first layer only (BaseFinetuning's use: the others are
+    added, one per epoch, by :class:`UnfreezeOnePerEpoch`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(4)], torch.nn.Linear(6, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.layer[0].parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:
+        generator = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 6, generator=generator), torch.randn(16, 2, generator=generator))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def unfreeze_one_per_epoch() -> Callback:
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class UnfreezeOnePerEpoch(BaseFinetuning):
+        """callbacks/test_finetuning_callback.py's OnEpochLayerFinetuning: layer ``epoch + 1`` joins the
+        optimizer as a new param group at each epoch's start."""
+
+        def freeze_before_training(self, pl_module: LightningModule) -> None:
+            self.freeze(pl_module.layer[1:])  # DDP needs a trainable parameter: the first layer trains throughout
+
+        def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Any) -> None:
+            self.unfreeze_and_add_param_group(pl_module.layer[epoch + 1], optimizer, lr=0.02 * (epoch + 1))
+
+    return UnfreezeOnePerEpoch()
+
+
+def finetuning_resume(rank: int, world_size: int, root: str, strategy: str, mode: str, stage: int) -> dict[str, Any]:
+    """callbacks/test_finetuning_callback.py::test_base_finetuning_internal_optimizer_metadata: 3 epochs
+    adding a group per epoch (saving each epoch), then a fresh Trainer resumed from epoch 1's checkpoint to
+    epoch 3. The weights the resume starts from, what the optimizer holds then, the final weights."""
+    as_torchrun(rank, world_size)
+    directory = f"{root}/{strategy}-{mode}-{stage}"
+
+    def run(ckpt_path: str | None) -> tuple[LightningModule, dict[str, Any]]:
+        checkpoint = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+        seen: dict[str, Any] = {}
+
+        class Observe(Callback):
+            def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+                optimizer = trainer.optimizers[0]
+                names = {p: n for n, p in pl_module.named_parameters()}
+                seen["start"] = _weights(pl_module)
+                seen["groups"] = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+                seen["lrs"] = [g["lr"] for g in optimizer.param_groups]
+                state = optimizer.state_dict()["state"]
+                seen["steps"] = sorted(float(entry["step"]) for entry in state.values())
+
+        trainer = make_trainer(world_size, strategy, root, mode=mode, max_epochs=3, stage=stage,
+                               callbacks=[unfreeze_one_per_epoch(), checkpoint, Observe()])
+        module = LayerByLayer()
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module, seen
+
+    uninterrupted, _ = run(None)
+    torch.distributed.barrier()
+    saved = read_lightning_checkpoint(f"{directory}/epoch=1.ckpt", optimizer=False)["state_dict"] if rank == 0 else {}
+    resumed, seen = run(f"{directory}/epoch=1.ckpt")
+    return {"uninterrupted": _weights(uninterrupted), "resumed": _weights(resumed), "saved": saved, **seen}

@@ -24,6 +24,7 @@ from contract_cases import (
     adapter_run,
     ema_run,
     finetuning_reference,
+    finetuning_resume,
     finetuning_run,
     fit_from_a_save_outside_fit,
     gradient_norms,
@@ -265,7 +266,34 @@ def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: A
 
 def test_no_thread_of_the_package_outlives_fit(tmp_path: Any) -> None:
     for result in _on_ranks(threads_after_fit, str(tmp_path)):
-        assert result["threads"] == [] and result["saved_step"] == 2, result
+        assert result["threads"] == [] and result["threads_after_save"] == [] and result["saved_step"] == 2, result
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "zero2"])
+def test_a_spawned_fit_leaves_no_thread_in_the_launching_process(tmp_path: Any, strategy: str) -> None:
+    """checkpointing/test_torch_saving.py::test_model_torch_save_ddp_cpu (and the SWA/EMA spawn tests), whose
+    conftest fails a test that leaves a thread: the spawn launcher removes the workers' weights file through
+    the checkpoint IO in this process. DDP is the control."""
+    import threading
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_zero import ZeroLowLevelStrategy
+
+    before = set(threading.enumerate())
+    chosen = strategy if strategy == "ddp_spawn" else ZeroLowLevelStrategy(stage=2, start_method="spawn")
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, strategy=chosen,
+                      accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    model = BoringModel()
+    initial = model.layer.weight.detach().clone()
+    trainer.fit(model)
+    assert trainer.state.finished
+    assert not torch.equal(model.layer.weight, initial), "the trained weights did not come back from the workers"
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == [], f"{strategy}: threads left in the launching process: {left}"
+    assert not list(tmp_path.glob(".temp*.ckpt")), "the workers' weights file was not removed"
 
 
 @pytest.mark.parametrize("mode", ["sharded", "local", "full"])
@@ -324,3 +352,26 @@ def test_stage_1_with_full_gradients_shows_param_grad_as_ddp(tmp_path: Any) -> N
             for key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
         assert_close_dicts(zero[rank]["weights"], ddp[rank]["weights"], "weights")
+
+
+@functools.cache
+def _finetuned(root: str, strategy: str, mode: str, stage: int) -> dict[str, Any]:
+    return _on_ranks(finetuning_resume, root, strategy, mode, stage)[0]
+
+
+@pytest.mark.parametrize(("mode", "stage"), [("sharded", 2), ("local", 2), ("sharded", 1)])
+def test_a_resume_gets_back_the_param_groups_a_finetuning_callback_added(tmp_path_factory: Any, mode: str,
+                                                                        stage: int) -> None:
+    """callbacks/test_finetuning_callback.py::test_base_finetuning_internal_optimizer_metadata: BaseFinetuning
+    added a param group per epoch; the resume from epoch 1's checkpoint starts from its weights with its
+    groups, learning rates and Adam steps, and trains on as DDP's resume does (DDP the control)."""
+    root = str(tmp_path_factory.getbasetemp() / "finetuning")
+    ddp = _finetuned(root, "ddp", "sharded", 2)
+    zero = _finetuned(root, "zero", mode, stage)
+    assert ddp["groups"] == [["layer.0.weight", "layer.0.bias"], ["layer.1.weight", "layer.1.bias"],
+                             ["layer.2.weight", "layer.2.bias"]], ddp["groups"]
+    assert zero["groups"] == ddp["groups"] and zero["lrs"] == ddp["lrs"], (zero["groups"], zero["lrs"])
+    assert zero["steps"] == ddp["steps"], (zero["steps"], ddp["steps"])
+    assert_close_dicts(zero["start"], zero["saved"], f"{mode}: the resume starts from the checkpoint", atol=0.0)
+    assert_close_dicts(zero["uninterrupted"], ddp["uninterrupted"], f"{mode}: the uninterrupted fit")
+    assert_close_dicts(zero["resumed"], ddp["resumed"], f"{mode}: the resumed fit")

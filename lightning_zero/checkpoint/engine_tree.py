@@ -163,11 +163,45 @@ def materialize_optimizer_state(opt: ZeroOptimizer, keep: set[str]) -> None:
             opt.state.pop(sp.master, None)
 
 
+def restore_added_groups(engine: ZeroEngine, module: nn.Module, saved: list[list[dict[str, Any]]]) -> int:
+    """(every rank alike, before a ``local``/``sharded`` load) Give each optimizer back the param groups the
+    checkpoint's had beyond its own; the number added.
+
+    [Note: groups added during fit] A fine-tuning callback adds groups while it trains (BaseFinetuning's
+    ``unfreeze_and_add_param_group``), so a checkpoint's optimizer can hold more groups than
+    ``configure_optimizers`` builds, their parameters saved as flat shards. Under DDP the callback puts
+    the groups back in ``on_fit_start``, before the optimizer state is loaded; here the state is loaded
+    into the engine earlier ([Note: restore before on_fit_start] in strategy.py), so the groups are
+    added here, by name, with the saved hyper-parameters: the engine shards their parameters as it did
+    when it saved, and the load then finds every shard where it was. Only a checkpoint whose first
+    groups are the optimizer's own, and whose further groups name parameters of the module that no
+    optimizer holds, qualifies; any other difference stays the load's error. The callback's later
+    ``optimizer.param_groups = ...`` assigns the same parameters in the same groups."""
+    params = dict(module.named_parameters())
+    held = {sp.fqn for sp in engine.sharded_params.values()}
+    added = 0
+    for opt, groups in zip(engine.optimizers, saved):
+        current = [g["params"] for g in _param_groups(opt)]
+        extra = groups[len(current):]
+        names = [name for group in extra for name in group["params"]]
+        if (not extra or [g["params"] for g in groups[:len(current)]] != current
+                or any(name not in params or name in held for name in names) or len(set(names)) != len(names)):
+            continue
+        for group in extra:
+            opt.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": [params[name] for name in group["params"]]})
+            added += 1
+        held.update(names)
+    return added
+
+
 def apply_param_groups(opt: ZeroOptimizer, saved: list[dict[str, Any]]) -> None:
     if len(saved) != len(opt.param_groups):
         raise ValueError(
             f"The checkpoint's optimizer has {len(saved)} param groups, this one {len(opt.param_groups)}:"
-            " build the optimizer the way it was built when the checkpoint was saved."
+            " build the optimizer the way it was built when the checkpoint was saved. Groups a callback added"
+            " during fit (BaseFinetuning) are given back from 'sharded' and 'local' checkpoints, whose groups"
+            " name their parameters; a 'full' file numbers them only, as torch does."
         )
     for group, saved_group in zip(opt.param_groups, saved):
         group.update({k: v for k, v in saved_group.items() if k != "params"})

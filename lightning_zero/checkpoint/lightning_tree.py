@@ -221,6 +221,9 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                                              masters=content.get(MASTERS_KEY))
             return content
         keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
+    if mode != "full":  # [Note: groups added during fit]
+        engine_tree.restore_added_groups(engine, module, checked_on_every_rank(lambda: saver.saved_param_groups(opened),
+                                                                               loc))
     for index, optimizer in enumerate(engine.optimizers):
         engine_tree.materialize_optimizer_state(optimizer, engine_tree.saved_optimizer_fqns(keys, index))
     tree = engine_tree.zero_state_dict(engine, module, for_load=True)

@@ -162,18 +162,27 @@ def _reading_dcp_metadata(loc: Location) -> Iterator[None]:
         ) from exc
 
 
+def read_objects(opened: OpenedCheckpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A ``sharded`` checkpoint's ``objects.pt`` (every non-tensor leaf), checked against the marker and its
+    CRCs, and its integrity header (None in files older than the header)."""
+    loc, marker = opened.loc, opened.marker
+    assert marker is not None
+    objects_file = f"{opened.existing_version_dir()}/objects.pt"
+    objects, found = integrity.split(file_io.torch_load(loc, objects_file), objects_file, loc.url,
+                                     required="save_id" in marker)
+    if found is not None:
+        integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
+        integrity.verify(objects, found, objects_file, loc.url)
+    return objects, found
+
+
 def open_sharded(opened: OpenedCheckpoint) -> tuple[str, dict[str, Any], dict[str, Any] | None, Any, Any]:
     """A ``sharded`` checkpoint's version directory, objects (checked), integrity header, a verifying
     DCP reader and its metadata, refused when the metadata belongs to another save."""
     loc, marker = opened.loc, opened.marker
     assert marker is not None
     version_dir = opened.existing_version_dir()
-    objects_file = f"{version_dir}/objects.pt"
-    objects, found = integrity.split(file_io.torch_load(loc, objects_file), objects_file, loc.url,
-                                     required="save_id" in marker)
-    if found is not None:
-        integrity.check_identity(found, objects_file, loc.url, marker.get("save_id"), world_size=marker["world_size"])
-        integrity.verify(objects, found, objects_file, loc.url)
+    objects, found = read_objects(opened)
     reader = dcp_reader(opened, require_checksums=found is not None and found.get("tensors") is not None)
     metadata = read_dcp_metadata(loc, reader)
     save_id = marker.get("save_id")
