@@ -651,5 +651,11 @@ def finetuning_resume(rank: int, world_size: int, root: str, strategy: str, mode
     uninterrupted, _ = run(None)
     torch.distributed.barrier()
     saved = read_lightning_checkpoint(f"{directory}/epoch=1.ckpt", optimizer=False)["state_dict"] if rank == 0 else {}
+    if mode == "full":  # its groups are numbered only: refused, naming the cause
+        try:
+            run(f"{directory}/epoch=1.ckpt")
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
     resumed, seen = run(f"{directory}/epoch=1.ckpt")
     return {"uninterrupted": _weights(uninterrupted), "resumed": _weights(resumed), "saved": saved, **seen}

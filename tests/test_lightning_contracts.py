@@ -375,3 +375,10 @@ def test_a_resume_gets_back_the_param_groups_a_finetuning_callback_added(tmp_pat
     assert_close_dicts(zero["start"], zero["saved"], f"{mode}: the resume starts from the checkpoint", atol=0.0)
     assert_close_dicts(zero["uninterrupted"], ddp["uninterrupted"], f"{mode}: the uninterrupted fit")
     assert_close_dicts(zero["resumed"], ddp["resumed"], f"{mode}: the resumed fit")
+
+
+def test_a_full_file_with_added_param_groups_is_refused_naming_the_cause(tmp_path_factory: Any) -> None:
+    """A ``full`` file numbers its groups' parameters (torch's layout): the groups BaseFinetuning added cannot
+    be matched by name, and the resume says so instead of blaming the file."""
+    error = _finetuned(str(tmp_path_factory.getbasetemp() / "finetuning"), "zero", "full", 2)["error"]
+    assert error is not None and "param groups" in error and "BaseFinetuning" in error, error
