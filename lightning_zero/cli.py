@@ -7,6 +7,7 @@
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt model.ckpt          # one full Lightning file
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt hf-model --to hf    # a save_pretrained folder
     lightning-zero convert --from deepspeed runs/ds/epoch=0-step=20.ckpt model.ckpt  # a DeepSpeed ZeRO-1/2 folder
+    lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt fsdp2-dcp --to dcp   # a DCP folder FSDP2 loads
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jsonargparse
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_zero  # noqa: F401  (registers the "zero1"/"zero2" strategy names)
+from lightning_zero import _compat
 
 MASK = "***"
 SECRET_NAMES = frozenset({
@@ -73,8 +75,8 @@ def run_cli(args: list[str] | None = None) -> LightningCLI:
     # "omegaconf+" resolves `${...}` once the command line is applied, so that
     # `--trainer.default_root_dir runs/b` also moves `${trainer.default_root_dir}/checkpoints` ("omegaconf"
     # resolves each YAML file alone, before the overrides). Its paths start at the subcommand's root
-    # (`fit.trainer...`); the setting reads the configs' `${trainer...}` relative to it.
-    jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    # (`fit.trainer...`); the configs' `${trainer...}` are read from their own root instead.
+    _compat.omegaconf_plus_reads_from_the_file_root()
     return LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -91,12 +93,15 @@ def convert_main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-zero convert",
         description="Turn a checkpoint of any mode (local path or s3://) into one full Lightning file that"
-        " plain PyTorch and Lightning read, or into a Hugging Face save_pretrained folder. Runs in this process,"
+        " plain PyTorch and Lightning read, a Hugging Face save_pretrained folder, or a torch DCP folder that FSDP2"
+        " loads with set_state_dict (--to dcp). Runs in this process,"
         " on CPU, with no process group.",
     )
     parser.add_argument("src", help="checkpoint path or URL (the file ModelCheckpoint wrote)")
-    parser.add_argument("dst", help="output file (--to lightning) or folder (--to hf)")
-    parser.add_argument("--to", choices=("lightning", "hf"), default="lightning")
+    parser.add_argument("dst", help="output file (--to lightning) or new folder (--to hf, --to dcp)")
+    parser.add_argument("--to", choices=("lightning", "hf", "dcp"), default="lightning",
+                        help="dcp: FSDP2's get_model_state_dict/get_optimizer_state_dict layout under 'model' and"
+                        " 'optimizer', Lightning's loops, callbacks and schedulers beside it in lightning_state.pt")
     parser.add_argument("--from", dest="source", choices=("auto", "deepspeed"), default="auto",
                         help="deepspeed: SRC is a DeepSpeed ZeRO-1/2 checkpoint folder (read without DeepSpeed);"
                         " auto (the default) tells one by its files")
@@ -111,7 +116,7 @@ def convert_main(args: list[str]) -> int:
     try:
         written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size,
                           weights_only=options.weights_only, source=options.source, optimizer=options.optimizer)
-    except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError) as exc:
+    except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError, FileExistsError) as exc:
         # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
         # message names the fix, a traceback would bury it.
         print(f"lightning-zero convert: error: {exc}", file=sys.stderr)

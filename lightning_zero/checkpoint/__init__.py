@@ -1,6 +1,7 @@
 """Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
 
 from lightning_zero.checkpoint.convert import convert, save_pretrained
+from lightning_zero.checkpoint.dcp_out import to_dcp
 from lightning_zero.checkpoint.deepspeed_in import DeepSpeedCheckpoint, read_deepspeed
 from lightning_zero.checkpoint.engine_tree import zero_state_dict
 from lightning_zero.checkpoint.lightning_tree import load_weights, load_zero_state_dict
@@ -53,6 +54,7 @@ __all__ = [
     "remove_incomplete",
     "save",
     "save_pretrained",
+    "to_dcp",
     "wait_for_staging",
     "zero_state_dict",
 ]

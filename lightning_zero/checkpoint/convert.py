@@ -12,6 +12,8 @@ Runs in one CPU process with no process group, reading local paths and ``s3://``
   its weights, fp32 masters, Adam moments and steps per parameter, param groups, and the client state Lightning's
   DeepSpeedStrategy saved (loops, callbacks, schedulers), read without DeepSpeed
   (:mod:`~lightning_zero.checkpoint.deepspeed_in`);
+* ``to="dcp"``: a torch DCP folder in FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` layout,
+  Lightning's state beside it (:mod:`~lightning_zero.checkpoint.dcp_out`);
 * ``to="hf"``: a ``save_pretrained`` folder (``config.json``, ``model.safetensors``, sharded with an
   index above ``max_shard_size``, tied weights stored once) for a module that holds a
   ``transformers`` model; the checkpoint records that model's class and config when it is saved.
@@ -26,25 +28,30 @@ from typing import Any, Literal
 from torch import nn
 
 from lightning_zero.checkpoint import deepspeed_files, file_io, storage
+from lightning_zero.checkpoint.dcp_out import to_dcp
 from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint, to_fabric_layout
 
 
-def convert(src: str, dst: str, *, to: Literal["lightning", "hf"] = "lightning",
+def convert(src: str, dst: str, *, to: Literal["lightning", "hf", "dcp"] = "lightning",
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_shard_size: int | str = "5GB", weights_only: bool = True,
             source: Literal["auto", "deepspeed"] = "auto", optimizer: bool = True) -> str:
-    """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file or a Hugging Face folder at ``dst``.
+    """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file, a Hugging Face folder or (``to="dcp"``) a
+    DCP folder FSDP2 loads at ``dst``.
     ``weights_only=False``: the caller trusts ``src``, whose non-tensor state may then hold any object.
 
     ``source="deepspeed"``: ``src`` must be a DeepSpeed ZeRO-1/2 checkpoint folder (a tag folder, a folder whose
     ``latest`` names one, or the ``<file>.ckpt`` folder of Lightning's DeepSpeedStrategy); ``"auto"`` reads one
     too, found by its files. ``optimizer=False``: the weights and Lightning's state only (a DeepSpeed
     checkpoint of an optimizer other than Adam/AdamW then converts)."""
-    if to not in ("lightning", "hf"):
-        raise ValueError(f"convert(to=...) must be 'lightning' or 'hf', got {to!r}.")
+    if to not in ("lightning", "hf", "dcp"):
+        raise ValueError(f"convert(to=...) must be 'lightning', 'hf' or 'dcp', got {to!r}.")
     if source == "deepspeed" and deepspeed_files.tag_folder(storage.resolve(src, storage_options)) is None:
         raise ValueError(f"{src!r} is not a DeepSpeed checkpoint folder (--from deepspeed): it holds neither"
                          f" {deepspeed_files.MODEL_STATES} nor a 'latest' file naming a folder that does.")
+    if to == "dcp":
+        return to_dcp(src, dst, storage_options=storage_options, dst_storage_options=dst_storage_options,
+                      weights_only=weights_only, optimizer=optimizer)
     checkpoint = read_lightning_checkpoint(src, storage_options, optimizer=optimizer and to == "lightning",
                                            weights_only=weights_only)
     out = storage.resolve(dst, dst_storage_options if dst_storage_options is not None else storage_options)
