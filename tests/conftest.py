@@ -13,6 +13,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -80,6 +81,25 @@ def single_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank(single_rank_group: None) -> Iterator[None]:
+    """A world of one gloo rank (DCP's sharded saves need a group), every save of the test finalized after it."""
+    from lightning_zero.checkpoint import maybe_finalize_async_calls
+
+    yield
+    maybe_finalize_async_calls(blocking=True)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """moto on 127.0.0.1 with one bucket (tests/s3_server.py), AWS_* (endpoint included) set for the module's
+    runs; moto is imported by the modules that ask for it only."""
+    from s3_server import moto_s3
+
+    with moto_s3() as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

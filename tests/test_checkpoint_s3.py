@@ -22,7 +22,6 @@ from checkpoint_cases import (
     round_trip,
     uninterrupted_weights,
 )
-from conftest_s3 import s3  # noqa: F401
 from s3_server import S3
 
 from lightning_zero.checkpoint import storage

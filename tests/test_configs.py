@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest_s3 import s3  # noqa: F401
 from s3_server import S3
 
 REPO = Path(__file__).resolve().parents[1]

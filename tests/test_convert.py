@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupted_weights
-from conftest_s3 import s3  # noqa: F401
 from hf_cases import GPT2Module, fixed_input, token_loader
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint

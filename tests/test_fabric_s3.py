@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 from _dist import run_distributed
-from conftest_s3 import s3  # noqa: F401
 from fabric_cases import FabricCase, run_load_and_continue, run_save_and_continue
 from s3_server import S3
 

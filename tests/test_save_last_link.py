@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_cases import MODES, assert_same_weights, fit, uninterrupted_weights
-from conftest_s3 import s3  # noqa: F401
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from s3_server import S3

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from lightning_zero.checkpoint import (
     CheckpointCorruptError,
     convert,
     load_zero_state_dict,
-    maybe_finalize_async_calls,
     save,
     zero_state_dict,
 )
@@ -35,14 +33,10 @@ class RunsCode:
         return (open, (self.marker, "w"))
 
 
-@pytest.fixture
-def _one_rank(single_rank_group: None) -> Iterator[None]:
-    yield
-    maybe_finalize_async_calls(blocking=True)
 
 
 @pytest.mark.parametrize("mode", ["local", "sharded"])
-def test_a_crafted_trainer_state_never_runs_and_says_the_file_is_refused(_one_rank: None, tmp_path: Path,
+def test_a_crafted_trainer_state_never_runs_and_says_the_file_is_refused(one_rank: None, tmp_path: Path,
                                                                          mode: str) -> None:
     proof = tmp_path / "code-ran"
     model, engine = build(0, 1)

@@ -8,7 +8,7 @@ One gloo rank in this process (the engine and sharded mode need a process group)
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from lightning_zero.checkpoint import (
     CheckpointSaveError,
     engine_tree,
     load,
-    maybe_finalize_async_calls,
     save,
     storage,
 )
@@ -35,9 +34,8 @@ MODES = ("local", "sharded", "full")
 
 
 @pytest.fixture(autouse=True)
-def _one_rank(single_rank_group: None) -> Iterator[None]:
-    yield
-    maybe_finalize_async_calls(blocking=True)
+def _one_rank(one_rank: None) -> None:
+    """Every test here on one in-process rank (tests/conftest.py)."""
 
 
 def load_target(model: nn.Module | None = None) -> tuple[nn.Module, ZeroEngine, dict[str, Any]]:

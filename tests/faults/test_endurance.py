@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_s3 import s3  # noqa: F401
 from fault_cases import Watch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest_s3 import s3  # noqa: F401
 from fault_cases import tree
 from s3_server import S3
 

@@ -11,7 +11,6 @@ import re
 from typing import Any
 
 import pytest
-from conftest_s3 import s3  # noqa: F401
 from fault_cases import MODES, tree
 from s3_server import S3
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, load_with_options, save_and_gather
-from conftest_s3 import s3  # noqa: F401
 from s3_proxy import faulty_proxy
 from s3_server import S3
 

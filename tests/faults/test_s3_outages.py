@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest_s3 import s3  # noqa: F401
 from s3_proxy import faulty_proxy
 from s3_server import S3
 
