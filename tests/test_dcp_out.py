@@ -21,13 +21,13 @@ from lightning_zero.checkpoint.dcp_out import LIGHTNING_STATE
 from lightning_zero.checkpoint.reader import read_zero_tree
 
 TRAINED = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight"]
-TOLERANCE = 1e-5
-"""The largest difference between FSDP2's and our continuation after ``STEPS_AFTER`` steps, as a fraction of the
-tensor's largest magnitude (parameters and moments). The loaded state is equal; the steps are the same AdamW
-arithmetic on the same values and batches, with the ranks' gradients summed in another order (FSDP2's
-reduce-scatter on gloo divides by the world size in two factors around the sum, we divide the sum once; at 1
-and 3 ranks each rank's slice of the batch differs too): a few ulps (6e-8) a step, which Adam's m/sqrt(v) carries
-into the moments."""
+TOLERANCE = 1e-6
+"""The largest difference between FSDP2's continuation at 1 and 3 ranks and ours at 2 after ``STEPS_AFTER`` steps,
+as a fraction of the tensor's largest magnitude (parameters and moments). The loaded state is equal, and the steps
+are the same AdamW arithmetic on the same values and batches; at another world size each rank averages another
+slice of the batch and the ranks' gradients are summed in another grouping: an ulp (6e-8) now and then, which
+Adam's m/sqrt(v) carries into the moments (observed at most 3.2e-8 for the parameters, 1.5e-7 for the moments).
+At 2 ranks, where the slices and the sum are the same, FSDP2 trains to our values bit for bit."""
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,9 @@ def test_fsdp2_loads_the_converted_checkpoint_bit_for_bit_and_trains_on_as_we_do
         got, expected = fsdp2["after"]["params"][name], ours["after"]["params"][name]
         assert got["step"].item() == STEPS_BEFORE + STEPS_AFTER
         for key in ("master", "exp_avg", "exp_avg_sq"):
+            if world_size == 2:
+                assert torch.equal(got[key], expected[key]), (name, key)
+                continue
             worst = (got[key] - expected[key]).abs().max().item()
             scale = expected[key].abs().max().item()
             assert worst <= TOLERANCE * scale, f"{name} {key}: {worst:.3g}, {worst / scale:.3g} of its largest value"
@@ -95,6 +98,27 @@ def test_torchs_dcp_to_torch_save_reads_the_converted_folder(ours: dict[str, Any
     for name, value in saved["model"].items():
         assert torch.equal(content["model"][name], value), name
     assert torch.equal(content["optimizer"]["state"]["head.weight"]["exp_avg"],
+                       saved["optimizer"][0]["state"]["head.weight"]["exp_avg"].reshape(3, 6))
+
+
+def test_torchs_tool_reads_a_sharded_checkpoints_data_folder_which_the_marker_names(
+        ours: dict[str, Any], tmp_path: Path) -> None:
+    """A ``sharded`` checkpoint's path is its commit marker (a file); its DCP folder is the one the marker's
+    ``data`` names, relative to the marker's folder. There torch's tool reads our own layout (flat 1-D shards
+    keyed ``model/<fqn>``, ``optimizer/<i>/state/<fqn>/<key>``), which is not FSDP2's: that is ``--to dcp``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    marker = ours["root"] / "ours.ckpt"
+    with pytest.raises(CheckpointException) as failure:
+        dcp_to_torch_save(str(marker), str(tmp_path / "no.pt"))
+    assert "Not a directory" in repr(failure.value.failures)  # the marker is a file, no DCP folder
+    data = marker.parent / torch.load(marker, weights_only=True)["lightning_zero"]["data"]
+    dcp_to_torch_save(str(data), str(tmp_path / "ours.pt"))
+    content = torch.load(tmp_path / "ours.pt", weights_only=True)
+    saved = read_zero_tree(str(marker))
+    assert torch.equal(content["model/head.weight"].reshape(3, 6), saved["model"]["head.weight"])
+    assert torch.equal(content["optimizer/0/state/head.weight/exp_avg"].reshape(3, 6),
                        saved["optimizer"][0]["state"]["head.weight"]["exp_avg"].reshape(3, 6))
 
 
