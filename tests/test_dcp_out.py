@@ -152,3 +152,27 @@ def test_a_full_file_without_parameter_names_is_refused_unless_without_the_optim
 def test_an_existing_folder_is_refused(ours: dict[str, Any]) -> None:
     with pytest.raises(FileExistsError, match="writes a new folder"):
         to_dcp(str(ours["root"] / "ours.ckpt"), str(ours["root"] / "dcp"))
+
+
+def test_a_full_file_whose_groups_record_param_names_converts_with_its_optimizer_state(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.named_parameters())  # its groups record param_names
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": 1},
+               tmp_path / "model.ckpt")
+    to_dcp(str(tmp_path / "model.ckpt"), str(tmp_path / "dcp"))
+    targets = {"optimizer.state.bias.exp_avg": torch.empty(2), "model.weight": torch.empty(2, 3)}
+    dcp.load(targets, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(targets["optimizer.state.bias.exp_avg"], optimizer.state[model.bias]["exp_avg"])
+    assert torch.equal(targets["model.weight"], model.weight.detach())
+
+
+def test_the_convert_command_writes_a_dcp_folder(ours: dict[str, Any], tmp_path: Path) -> None:
+    from lightning_zero.cli import main
+
+    assert main(["convert", "--to", "dcp", str(ours["root"] / "ours.ckpt"), str(tmp_path / "dcp")]) == 0
+    assert LIGHTNING_STATE in {p.name for p in (tmp_path / "dcp").iterdir()}
+    assert main(["convert", "--to", "dcp", str(ours["root"] / "ours.ckpt"), str(tmp_path / "dcp")]) == 1
