@@ -429,31 +429,20 @@ def _prepare_load(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Te
 
 def saved_tensor_keys(opened: OpenedCheckpoint) -> set[str]:
     """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds (a ``local`` one from
-    :func:`_own_rank_file`)."""
+    :func:`~lightning_zero.checkpoint.modes.local.read_own_rank_file`)."""
     marker = opened.marker
     if marker is None:
         raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
     if opened.mode == "sharded":
         return set(sharded.read_dcp_metadata(opened.loc, sharded.dcp_reader(opened)).state_dict_metadata)
-    content = _own_rank_file(opened)
+    content = local.read_own_rank_file(opened, *world())
     return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
-
-
-def _own_rank_file(opened: OpenedCheckpoint) -> Any:
-    """The ``local`` rank file this rank reads ahead of its load: its own when the world size matches (kept in
-    ``opened``), rank 0's otherwise (the load will refuse the world size with a clear message)."""
-    marker = opened.marker
-    assert marker is not None
-    rank, world_size = world()
-    hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
-    reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
-    return local.read_rank_file(opened, reader_rank, keep=True)
 
 
 def saved_param_groups(opened: OpenedCheckpoint) -> list[list[dict[str, Any]]]:
     """Each saved optimizer's param groups (hyper-parameters, ``params`` as parameter names) of a ``local``
     or ``sharded`` checkpoint, read before the load that follows (a ``local`` rank file stays read ahead)."""
-    objects = sharded.read_objects(opened)[0] if opened.mode == "sharded" else _own_rank_file(opened)
+    objects = sharded.read_objects(opened)[0] if opened.mode == "sharded" else local.read_own_rank_file(opened, *world())
     saved = objects.get("optimizer") or []
     return [list(entry.get("param_groups") or []) for entry in saved]
 

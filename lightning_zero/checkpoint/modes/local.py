@@ -87,6 +87,16 @@ def _check_local_world(loc: Location, marker: dict[str, Any], world_size: int, s
     )
 
 
+def read_own_rank_file(opened: OpenedCheckpoint, rank: int, world_size: int) -> Any:
+    """The rank file rank ``rank`` of ``world_size`` reads ahead of its load: its own when the world size
+    matches (kept in ``opened``), rank 0's otherwise (the load will refuse the world size with a clear message)."""
+    marker = opened.marker
+    assert marker is not None
+    hybrid = int(marker.get("shard_group_size", marker["world_size"])) < marker["world_size"]
+    reader_rank = rank if world_size == marker["world_size"] or (hybrid and rank < marker["world_size"]) else 0
+    return read_rank_file(opened, reader_rank, keep=True)
+
+
 def read_rank_file(opened: OpenedCheckpoint, rank: int, keep: bool = False) -> Any:
     """Rank ``rank``'s file of a ``local`` checkpoint, checked to belong to this checkpoint and this
     rank and to be intact (see integrity.py), with its shards as :class:`FlatShard` leaves. Read once
