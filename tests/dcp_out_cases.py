@@ -56,6 +56,17 @@ def train_ours(rank: int, world_size: int, root: str) -> None:
     trainer.save_checkpoint(str(Path(root) / "ours.ckpt"))
 
 
+
+def continue_training(module: torch.nn.Module, optimizer: Any, scheduler: Any, rank: int, world_size: int) -> None:
+    """The ``STEPS_AFTER`` steps both continuations take: the same global batches, this rank's slice of each."""
+    data = batches()
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        x, y = data["x"][step].chunk(world_size)[rank], data["y"][step].chunk(world_size)[rank]
+        loss_of(module, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
 def continue_ours(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """(gloo worker) Our continuation from ``<root>/ours.ckpt``: the engine resumed with ``load_zero_state_dict``
     (the scheduler from the Lightning state it returns) trains the ``STEPS_AFTER`` batches in :func:`fsdp2_continue`'s
@@ -74,13 +85,7 @@ def continue_ours(rank: int, world_size: int, root: str) -> dict[str, Any]:
     rest = load_zero_state_dict(engine, module, str(Path(root) / "ours.ckpt"))
     scheduler.load_state_dict(rest["lr_schedulers"][0])
     loaded = rank_state(module, engine)
-    data = batches()
-    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        x, y = data["x"][step].chunk(world_size)[rank], data["y"][step].chunk(world_size)[rank]
-        loss_of(module, x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+    continue_training(module, optimizer, scheduler, rank, world_size)
     after = rank_state(module, engine)
     engine.close()
     return {"loaded": loaded, "after": after}
@@ -110,13 +115,7 @@ def fsdp2_continue(rank: int, world_size: int, dcp_dir: str) -> dict[str, Any] |
     lightning_state = torch.load(Path(dcp_dir) / "lightning_state.pt", weights_only=True)
     scheduler.load_state_dict(lightning_state["lr_schedulers"][0])
     loaded = _whole_state(module, optimizer)
-    data = batches()
-    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        x, y = data["x"][step].chunk(world_size)[rank], data["y"][step].chunk(world_size)[rank]
-        loss_of(module, x, y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
+    continue_training(module, optimizer, scheduler, rank, world_size)
     after = _whole_state(module, optimizer)
     return {"loaded": loaded, "after": after, "global_step": lightning_state["global_step"]} if rank == 0 else None
 
