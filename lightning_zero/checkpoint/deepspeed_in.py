@@ -117,9 +117,7 @@ def read_deepspeed(loc: Location, *, optimizer: bool = True) -> DeepSpeedCheckpo
     module = {k.removeprefix(prefix): v for k, v in states["module"].items()}
     flat = [[(name.removeprefix(prefix), torch.Size(shape)) for name, shape in group.items()]
             for group in states["param_shapes"]]
-    groups = [[name for name, _ in group] for group in flat]  # the user's param groups' order
-    if config.get("zero_optimization", {}).get("round_robin_gradients"):
-        groups = [_unshuffle(order, world_size) for order in groups]
+    groups = optimizer_order(states)
     params: dict[str, _ParamState] = {}
     hyper, scaler, clip_grad, stage = _read_rank_files(folder, flat, params, world_size, optimizer)
     for state in params.values():
@@ -174,6 +172,19 @@ def _refuse_layouts(states: dict[str, Any], config: dict[str, Any], url: str) ->
                          " lightning_zero reads data-parallel ZeRO-1/2 checkpoints only.")
     if not isinstance(states.get("dp_world_size"), int) or states["dp_world_size"] < 1:
         raise CheckpointCorruptError(f"{url!r}: {deepspeed_files.MODEL_STATES} records no data-parallel world size.")
+
+
+def optimizer_order(states: dict[str, Any]) -> list[list[str]]:
+    """Each param group's trained parameters by name, in the order the torch optimizer's indices count them (the
+    user's param group): the module states file's ``param_shapes``, which lists the order of the flat buffer,
+    unshuffled under ``round_robin_gradients`` ([Note: DeepSpeed's partitions]); an old Lightning wrapper's
+    prefix removed."""
+    prefix = _name_prefix(states["module"])
+    groups = [[name.removeprefix(prefix) for name in group] for group in states["param_shapes"]]
+    config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
+    if (config.get("zero_optimization") or {}).get("round_robin_gradients"):
+        groups = [_unshuffle(order, int(states["dp_world_size"])) for order in groups]
+    return groups
 
 
 def _name_prefix(module: dict[str, Any]) -> str:
