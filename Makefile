@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch; installed first so nothing pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-fast test-matrix bench lint clean
+.PHONY: install demo test test-fast test-matrix bench lint docs clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +55,14 @@ bench-peers: install
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/engine.py --peers --methods ddp zero1 zero2 deepspeed_zero1 deepspeed_zero2
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/checkpoint.py --peers
 
+# The documentation site (docs/, mkdocs.yml) into site/; MkDocs goes into a folder of its own, not the venv.
+DOCS_VENV ?= .docs-venv
+docs:
+	test -x $(DOCS_VENV)/bin/mkdocs || { $(PYTHON) -m venv $(DOCS_VENV) && $(DOCS_VENV)/bin/pip install -q mkdocs==1.6.1; }
+	$(DOCS_VENV)/bin/mkdocs build
+
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache lightning_logs runs
+	rm -rf $(VENV) .pytest_cache lightning_logs runs site

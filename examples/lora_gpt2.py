@@ -4,7 +4,7 @@ The base model is a tiny random GPT-2 (no hub access; in real use, ``GPT2LMHeadM
 ``peft`` wraps it with LoRA adapters on the attention projections and freezes the rest. The optimizer
 (and so ZeRO) holds the adapters; ``on_save_checkpoint`` drops the frozen base from every checkpoint and
 ``strict_loading = False`` lets a resume fill the adapters and keep the base the module was built with
-(README, "What a checkpoint holds"). Run from the repository root::
+(docs/checkpoints.md, "What a checkpoint holds"). Run from the repository root::
 
     python examples/lora_gpt2.py --root runs/lora     # fine-tune on 2 CPU processes, resume on 3, export
     # one phase alone (what the above runs, each in its own processes):
@@ -12,7 +12,7 @@ The base model is a tiny random GPT-2 (no hub access; in real use, ``GPT2LMHeadM
     python examples/lora_gpt2.py --phase fit --devices 3 --steps 30 --ckpt-path last --root runs/lora
     python examples/lora_gpt2.py --phase export --root runs/lora
 
-On GPUs: ``--accelerator gpu --devices 8``; with ``torchrun`` as in README's multi-node section. The export
+On GPUs: ``--accelerator gpu --devices 8``; with ``torchrun`` as in docs/multi-node.md. The export
 merges the adapters into the base (``merge_and_unload``) and writes a folder that
 ``AutoModelForCausalLM.from_pretrained`` reads without this package or ``peft``.
 """

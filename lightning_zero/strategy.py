@@ -77,7 +77,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             False keeps them allocated, for CPU runs where taking them again costs page faults).
         whole_step_group_mb: shape-aware optimizers (Muon, Adafactor) step whole matrices gathered from the
             shards a group of at most this many MiB at a time (``ZeroConfig.whole_step_group_mb``; None: all at
-            once). README, "Optimizers".
+            once). docs/training.md, "Optimizers".
         exclude_frozen_parameters: leave parameters that do not require grad out of every checkpoint (a
             frozen pretrained base under adapters), as DeepSpeed's option of that name; loading such a
             checkpoint keeps the module's own values of the parameters it lacks (no ``strict_loading``
@@ -510,7 +510,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
         agree = lambda ok: self.reduce_boolean_decision(ok, all=True)  # noqa: E731
         started = time.perf_counter()
-        choice = io.resolve_last() if isinstance(io, ZeroCheckpointIO) else None
+        choice = io.resolve_last(self.zero_config.shard_group_size) if isinstance(io, ZeroCheckpointIO) else None
         if choice is not None and choice.tier == "local":
             result = self._load_local_tier(choice, load_one, agree)
         else:

@@ -61,7 +61,7 @@ class MLP(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-        if self.compile_step:  # as README's "Compiling" tells a Lightning user
+        if self.compile_step:  # as docs/training.md's "Compiling" tells a Lightning user
             optimizer.step = torch.compile(optimizer.step, backend=counting_backend("eager"))  # type: ignore[method-assign]
         return optimizer
 
