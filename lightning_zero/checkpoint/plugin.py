@@ -156,13 +156,15 @@ class ZeroCheckpointIO(CheckpointIO):
         """This rank's directory of the local tier (None without one)."""
         return self.local_tier.root(self._node_rank, self._local_rank) if self.local_tier is not None else None
 
-    def resolve_last(self) -> TierChoice | None:
+    def resolve_last(self, shard_group_size: int | None = None) -> TierChoice | None:
         """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
-        resume reads: see :func:`~lightning_zero.checkpoint.tier_recovery.resolve_last`. None otherwise."""
+        resume reads: see :func:`~lightning_zero.checkpoint.tier_recovery.resolve_last`. None otherwise.
+        ``shard_group_size``: the resuming strategy's (None: the whole world)."""
         durable, self.tiered_last = self.tiered_last, None
         if durable is None or self.local_tier is None:
             return None
-        return tier_recovery.resolve_last(self.local_tier, self.tier_root() or "", durable, self.storage_options)
+        return tier_recovery.resolve_last(self.local_tier, self.tier_root() or "", durable, self.storage_options,
+                                          shard_group_size)
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""
@@ -212,8 +214,17 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def record_load(self, choice: TierChoice, seconds: float) -> None:
         """(every rank) The figures of a resume through :meth:`resolve_last` (``last_load``), logged on rank 0."""
-        self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason)
-        rank_zero_info(f"Resumed from the {choice.tier} tier ({choice.path!r}) in {seconds:.3f} s.")
+        load_s = max(seconds - choice.choose_s - choice.reshard_s, 0.0)
+        self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason, step=choice.step,
+                                  choose_s=choice.choose_s, reshard_s=choice.reshard_s, load_s=load_s,
+                                  steps_lost=choice.steps_lost, resharded_from=choice.resharded_from,
+                                  moved=dict(choice.moved))
+        making = ("" if choice.tier != "local" else
+                  f"resharding from {choice.resharded_from} ranks {choice.reshard_s:.3f} s, " if choice.resharded_from
+                  else f"fetching lost files {choice.reshard_s:.3f} s, ")
+        rank_zero_info(f"Resumed from the {choice.tier} tier ({choice.path!r}) at step {choice.step} in"
+                       f" {seconds:.3f} s (choosing {choice.choose_s:.3f} s, {making}loading {load_s:.3f} s;"
+                       f" {choice.steps_lost} checkpointed step(s) lost).")
 
     def release(self) -> None:
         """(every rank, after the last save was finalized) End the worker thread and the coordination

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 METRIC_PREFIX = "checkpoint/"
 """Where :meth:`SaveStats.as_metrics` puts its figures among a logger's metrics."""
@@ -90,3 +90,29 @@ class TierLoad:
     path: str
     seconds: float
     reason: str
+    step: int | None = None
+    """The global step resumed."""
+    choose_s: float = 0.0
+    """Listing every node's checkpoints and choosing (one exchange over the coordination group)."""
+    reshard_s: float = 0.0
+    """Making the local-tier checkpoint readable here: a lost rank's file fetched, or the reshard to this
+    world size (pieces read, received, the new files written)."""
+    load_s: float = 0.0
+    """The load itself, into the engine (and, after a failed local load, the durable one)."""
+    steps_lost: int = 0
+    """Checkpointed steps not recovered: the newest step any tier holds (complete or not) minus ``step``."""
+    resharded_from: int | None = None
+    """The world size the local-tier checkpoint was saved at, when it was resharded to this one."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """A reshard's bytes on this rank: ``read_bytes`` (its node's copies), ``received_bytes``, ``sent_bytes``."""
+
+    def as_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+        """The figures as logger metrics (milliseconds for times; ``recovery/tier`` 0 local, 1 durable)."""
+        metrics = {"tier": 0.0 if self.tier == "local" else 1.0, "total_ms": self.seconds * 1e3,
+                   "choose_ms": self.choose_s * 1e3, "reshard_ms": self.reshard_s * 1e3, "load_ms": self.load_s * 1e3,
+                   "steps_lost": float(self.steps_lost)}
+        if self.step is not None:
+            metrics["step"] = float(self.step)
+        if self.resharded_from is not None:
+            metrics["resharded_from"] = float(self.resharded_from)
+        return {f"{prefix}recovery/{name}": value for name, value in metrics.items()}
