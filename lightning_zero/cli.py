@@ -8,6 +8,7 @@
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt hf-model --to hf    # a save_pretrained folder
     lightning-zero convert --from deepspeed runs/ds/epoch=0-step=20.ckpt model.ckpt  # a DeepSpeed ZeRO-1/2 folder
     lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt fsdp2-dcp --to dcp   # a DCP folder FSDP2 loads
+    lightning-zero convert runs/tiny_gpt/checkpoints/last.ckpt ds.ckpt --to deepspeed --world-size 8  # DeepSpeed ZeRO-1/2
 """
 
 from __future__ import annotations
@@ -94,14 +95,22 @@ def convert_main(args: list[str]) -> int:
         prog="lightning-zero convert",
         description="Turn a checkpoint of any mode (local path or s3://) into one full Lightning file that"
         " plain PyTorch and Lightning read, a Hugging Face save_pretrained folder, or a torch DCP folder that FSDP2"
-        " loads with set_state_dict (--to dcp). Runs in this process,"
+        " loads with set_state_dict (--to dcp), or a folder Lightning's DeepSpeedStrategy resumes (--to deepspeed). Runs in"
+        " this process,"
         " on CPU, with no process group.",
     )
     parser.add_argument("src", help="checkpoint path or URL (the file ModelCheckpoint wrote)")
-    parser.add_argument("dst", help="output file (--to lightning) or new folder (--to hf, --to dcp)")
-    parser.add_argument("--to", choices=("lightning", "hf", "dcp"), default="lightning",
+    parser.add_argument("dst", help="output file (--to lightning) or new folder (--to hf, dcp, deepspeed)")
+    parser.add_argument("--to", choices=("lightning", "hf", "dcp", "deepspeed"), default="lightning",
                         help="dcp: FSDP2's get_model_state_dict/get_optimizer_state_dict layout under 'model' and"
-                        " 'optimizer', Lightning's loops, callbacks and schedulers beside it in lightning_state.pt")
+                        " 'optimizer', Lightning's loops, callbacks and schedulers beside it in lightning_state.pt;"
+                        " deepspeed: a ZeRO-1/2 checkpoint folder (latest, checkpoint/) with the optimizer's"
+                        " partitions for --world-size ranks")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--to deepspeed: the DeepSpeed data-parallel world size that resumes it (default: the"
+                        " one that saved SRC)")
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                        help="--to deepspeed: the ZeRO stage (default: a DeepSpeed source's, else 2)")
     parser.add_argument("--from", dest="source", choices=("auto", "deepspeed"), default="auto",
                         help="deepspeed: SRC is a DeepSpeed ZeRO-1/2 checkpoint folder (read without DeepSpeed);"
                         " auto (the default) tells one by its files")
@@ -115,7 +124,8 @@ def convert_main(args: list[str]) -> int:
     options = parser.parse_args(args)
     try:
         written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size,
-                          weights_only=options.weights_only, source=options.source, optimizer=options.optimizer)
+                          weights_only=options.weights_only, source=options.source, optimizer=options.optimizer,
+                          world_size=options.world_size, stage=options.stage)
     except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError, FileExistsError) as exc:
         # The user's input (a path that is no checkpoint, --to hf without a transformers model): the
         # message names the fix, a traceback would bury it.

@@ -3,6 +3,7 @@
 from lightning_zero.checkpoint.convert import convert, save_pretrained
 from lightning_zero.checkpoint.dcp_out import to_dcp
 from lightning_zero.checkpoint.deepspeed_in import DeepSpeedCheckpoint, read_deepspeed
+from lightning_zero.checkpoint.deepspeed_out import to_deepspeed
 from lightning_zero.checkpoint.engine_tree import zero_state_dict
 from lightning_zero.checkpoint.lightning_tree import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.metrics import CheckpointMetrics, SaveStats
@@ -55,6 +56,7 @@ __all__ = [
     "save",
     "save_pretrained",
     "to_dcp",
+    "to_deepspeed",
     "wait_for_staging",
     "zero_state_dict",
 ]

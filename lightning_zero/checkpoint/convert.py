@@ -14,6 +14,8 @@ Runs in one CPU process with no process group, reading local paths and ``s3://``
   (:mod:`~lightning_zero.checkpoint.deepspeed_in`);
 * ``to="dcp"``: a torch DCP folder in FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` layout,
   Lightning's state beside it (:mod:`~lightning_zero.checkpoint.dcp_out`);
+* ``to="deepspeed"``: the ZeRO-1/2 folder Lightning's DeepSpeedStrategy resumes with its optimizer state, for a
+  DeepSpeed world size of the caller's (:mod:`~lightning_zero.checkpoint.deepspeed_out`);
 * ``to="hf"``: a ``save_pretrained`` folder (``config.json``, ``model.safetensors``, sharded with an
   index above ``max_shard_size``, tied weights stored once) for a module that holds a
   ``transformers`` model; the checkpoint records that model's class and config when it is saved.
@@ -29,13 +31,15 @@ from torch import nn
 
 from lightning_zero.checkpoint import deepspeed_files, file_io, storage
 from lightning_zero.checkpoint.dcp_out import to_dcp
+from lightning_zero.checkpoint.deepspeed_out import to_deepspeed
 from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint, to_fabric_layout
 
 
-def convert(src: str, dst: str, *, to: Literal["lightning", "hf", "dcp"] = "lightning",
+def convert(src: str, dst: str, *, to: Literal["lightning", "hf", "dcp", "deepspeed"] = "lightning",
             storage_options: dict[str, Any] | None = None, dst_storage_options: dict[str, Any] | None = None,
             max_shard_size: int | str = "5GB", weights_only: bool = True,
-            source: Literal["auto", "deepspeed"] = "auto", optimizer: bool = True) -> str:
+            source: Literal["auto", "deepspeed"] = "auto", optimizer: bool = True,
+            world_size: int | None = None, stage: int | None = None) -> str:
     """Write checkpoint ``src`` (any mode) as a ``full`` Lightning file, a Hugging Face folder or (``to="dcp"``) a
     DCP folder FSDP2 loads at ``dst``.
     ``weights_only=False``: the caller trusts ``src``, whose non-tensor state may then hold any object.
@@ -43,12 +47,23 @@ def convert(src: str, dst: str, *, to: Literal["lightning", "hf", "dcp"] = "ligh
     ``source="deepspeed"``: ``src`` must be a DeepSpeed ZeRO-1/2 checkpoint folder (a tag folder, a folder whose
     ``latest`` names one, or the ``<file>.ckpt`` folder of Lightning's DeepSpeedStrategy); ``"auto"`` reads one
     too, found by its files. ``optimizer=False``: the weights and Lightning's state only (a DeepSpeed
-    checkpoint of an optimizer other than Adam/AdamW then converts)."""
-    if to not in ("lightning", "hf", "dcp"):
-        raise ValueError(f"convert(to=...) must be 'lightning', 'hf' or 'dcp', got {to!r}.")
+    checkpoint of an optimizer other than Adam/AdamW then converts).
+
+    ``to="deepspeed"``: a DeepSpeed folder for ``world_size`` data-parallel ranks (None: the source's) at ZeRO
+    ``stage`` (None: the source's DeepSpeed stage, else 2); it needs the optimizer state."""
+    if to not in ("lightning", "hf", "dcp", "deepspeed"):
+        raise ValueError(f"convert(to=...) must be 'lightning', 'hf', 'dcp' or 'deepspeed', got {to!r}.")
+    if (world_size is not None or stage is not None) and to != "deepspeed":
+        raise ValueError("convert(world_size=..., stage=...) apply to to='deepspeed' only.")
     if source == "deepspeed" and deepspeed_files.tag_folder(storage.resolve(src, storage_options)) is None:
         raise ValueError(f"{src!r} is not a DeepSpeed checkpoint folder (--from deepspeed): it holds neither"
                          f" {deepspeed_files.MODEL_STATES} nor a 'latest' file naming a folder that does.")
+    if to == "deepspeed":
+        if not optimizer:
+            raise ValueError("convert --to deepspeed --no-optimizer: DeepSpeedStrategy's resume loads every rank's"
+                             " optimizer partitions, so a DeepSpeed folder is written with the optimizer state only.")
+        return to_deepspeed(src, dst, world_size=world_size, stage=stage, storage_options=storage_options,
+                            dst_storage_options=dst_storage_options, weights_only=weights_only)
     if to == "dcp":
         return to_dcp(src, dst, storage_options=storage_options, dst_storage_options=dst_storage_options,
                       weights_only=weights_only, optimizer=optimizer)

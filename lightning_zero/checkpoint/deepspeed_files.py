@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class FragmentAddress:
     numel: int
     start: int
 
+    def __init__(self, numel: int = 0, start: int = 0) -> None:
+        self.numel, self.start = numel, start
+
     def __setstate__(self, state: Any) -> None:
         fields = _plain_fields("fragment_address", state, frozenset({"numel", "start"}))
         if set(fields) != {"numel", "start"} or not all(type(v) is int and v >= 0 for v in fields.values()):
@@ -84,6 +88,9 @@ class DynamicLossScaler(StaticLossScaler):
 
 class ZeroStage(int):
     """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (pickled as the enum called with its value)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (ZeroStage, (int(self),))
 
 
 STAND_INS: list[tuple[Any, str]] = [
@@ -252,3 +259,36 @@ def _refusal(exc: BaseException) -> str:
         return f"it names the global {storage.refused_global(exc)}"
     found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
     return f"its content is not what DeepSpeed writes ({(found.group(1) if found else text).strip()})"
+
+
+class _DeepSpeedPickler(pickle._Pickler):
+    """A pickler that names each stand-in by the DeepSpeed global it stands for ([Note: writing DeepSpeed's
+    pickles]); every other object pickles as ``pickle`` pickles it."""
+
+    _names = {cls: name.rsplit(".", 1) for cls, name in STAND_INS}
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        found = self._names.get(obj)
+        if found is None:
+            super().save_global(obj, name)
+            return
+        module, qualname = found
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+_PICKLE_MODULE = types.ModuleType("lightning_zero_deepspeed_pickle")
+_PICKLE_MODULE.Pickler = _DeepSpeedPickler  # type: ignore[attr-defined]
+
+
+def save_file(content: Any, path: str) -> None:
+    """``torch.save`` of ``content`` as DeepSpeed writes its files: the stand-ins of :data:`STAND_INS` pickled
+    under DeepSpeed's names, so DeepSpeed's own ``torch.load`` builds its classes and :func:`load_file` its
+    stand-ins.
+
+    [Note: writing DeepSpeed's pickles] DeepSpeed's loaders unpickle its classes (``fragment_address``,
+    ``ZeroStageEnum``) by name. Writing those names without importing DeepSpeed takes a pickler whose
+    ``save_global`` emits the name for the stand-in class; ``pickle``'s own would look the name up, find no
+    DeepSpeed module, and refuse. The Python pickler is slower than the C one only for the pickled structure:
+    the tensors' bytes are written by ``torch.save`` beside the pickle, not through it."""
+    torch.save(content, path, pickle_module=_PICKLE_MODULE)

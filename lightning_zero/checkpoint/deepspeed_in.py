@@ -70,6 +70,8 @@ class DeepSpeedCheckpoint:
     """What was read: stage, world size, precision, DeepSpeed's version, tag, gradient clipping."""
     param_dtypes: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    group_names: list[list[str]] = field(default_factory=list)
+    """Each param group's parameters by name, in the order ``optimizer_state``'s indices count them."""
 
 
 @dataclass
@@ -151,6 +153,7 @@ def read_deepspeed(loc: Location, *, optimizer: bool = True) -> DeepSpeedCheckpo
         param_dtypes={name: str(value.dtype).removeprefix("torch.") for name, value in module.items()
                       if name not in buffers},
         aliases={k.removeprefix(prefix): v.removeprefix(prefix) for k, v in (states.get("shared_params") or {}).items()},
+        group_names=groups,
     )
 
 

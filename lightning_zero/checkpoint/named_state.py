@@ -12,9 +12,16 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.checkpoint import deepspeed_files, deepspeed_in, storage
+from lightning_zero.checkpoint import storage
 from lightning_zero.checkpoint.opening import open_checkpoint
-from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY, read_opened, read_zero_tree, to_lightning
+from lightning_zero.checkpoint.reader import (
+    MASTERS_KEY,
+    META_KEY,
+    OPTIMIZER_NAMES,
+    read_opened,
+    read_zero_tree,
+    to_lightning,
+)
 
 
 @dataclass
@@ -61,7 +68,7 @@ def read_named(src: str, storage_options: dict[str, Any] | None = None, *, optim
     if opened.mode == "full":
         content = read_opened(opened, optimizer=optimizer, weights_only=weights_only)
         model = _full_model(content)
-        optim = _named_optimizer(content, src, opened.loc if opened.deepspeed else None) if optimizer else None
+        optim = _named_optimizer(content, src) if optimizer else None
         rest = {k: v for k, v in content.items() if k not in ("state_dict", "optimizer_states", MASTERS_KEY)}
         source = (rest.get(META_KEY) or {}).get("source") or {}
         world_size = source.get("world_size") if source.get("format") == "deepspeed" else None
@@ -103,20 +110,20 @@ def _merged(optimizers: list[dict[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _named_optimizer(content: dict[str, Any], src: str,
-                     deepspeed: storage.Location | None) -> dict[str, Any] | None:
+def _named_optimizer(content: dict[str, Any], src: str) -> dict[str, Any] | None:
     """A Lightning file's index-keyed optimizer states keyed by parameter name.
 
     An index is the parameter's place in its optimizer's groups; the names come from the groups' ``param_names``
-    (an optimizer built from ``named_parameters()`` records them) or, for a DeepSpeed folder, from its
-    ``param_shapes`` (:func:`~lightning_zero.checkpoint.deepspeed_in.optimizer_order`, which the reader follows too).
-    A file that names neither is refused."""
+    (an optimizer built from ``named_parameters()`` records them) or the meta's
+    :data:`~lightning_zero.checkpoint.reader.OPTIMIZER_NAMES` (a DeepSpeed folder, and the file converted from
+    one, in :func:`~lightning_zero.checkpoint.deepspeed_in.optimizer_order`). A file that names neither is refused."""
     states = content.get("optimizer_states") or []
     if not states:
         return None
-    names = _deepspeed_names(deepspeed) if deepspeed is not None else None
+    recorded = (content.get(META_KEY) or {}).get(OPTIMIZER_NAMES) or []
     named = []
     for number, opt in enumerate(states):
+        names = recorded[number] if number < len(recorded) else None
         index: dict[int, str] = {}
         for group_number, group in enumerate(opt["param_groups"]):
             group_names = group.get("param_names") or (names[group_number] if names else None)
@@ -132,10 +139,3 @@ def _named_optimizer(content: dict[str, Any], src: str,
                   for group in opt["param_groups"]]
         named.append({"state": {index[int(i)]: entry for i, entry in opt["state"].items()}, "param_groups": groups})
     return _merged(named)
-
-
-def _deepspeed_names(loc: storage.Location) -> list[list[str]]:
-    """A DeepSpeed folder's param groups as parameter names (the model states file is memory-mapped, so its weights
-    are not read again)."""
-    folder = deepspeed_files.open_folder(loc)
-    return deepspeed_in.optimizer_order(deepspeed_files.load_file(folder, folder.model_states))

@@ -31,6 +31,9 @@ META_KEY = "lightning_zero_meta"
 tied-weight aliases, the Hugging Face config)."""
 
 
+OPTIMIZER_NAMES = "optimizer_param_names"
+"""Entry of a checkpoint's meta naming, per optimizer and param group, the parameters its index-keyed state counts
+(a DeepSpeed folder read into Lightning's format records them, so its file converts on by name)."""
 FABRIC_KEYS = "fabric"
 """Entry of a checkpoint's ``meta`` that ``fabric.save`` writes: ``{"module": <the state's key of the module>,
 "optimizers": [<the state's key of each saved optimizer, in the engine's order>]}``, so the checkpoint reads
@@ -191,7 +194,8 @@ def deepspeed_as_lightning(checkpoint: deepspeed_in.DeepSpeedCheckpoint) -> dict
     if checkpoint.scaler_state is not None:
         content["MixedPrecision"] = checkpoint.scaler_state  # Lightning restores its precision plugin by class name
     content[META_KEY] = {"param_dtypes": checkpoint.param_dtypes, "state_dict_keys": list(checkpoint.state_dict),
-                         "aliases": checkpoint.aliases, "source": checkpoint.source}
+                         "aliases": checkpoint.aliases, "source": checkpoint.source,
+                         OPTIMIZER_NAMES: [checkpoint.group_names]}
     return content
 
 
