@@ -151,13 +151,16 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
-    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        self, module: nn.Module, optimizers: list[Optimizer], *scheduler: Any
+    ) -> tuple[Any, ...]:
         """(every rank) Build the engine for ``module`` and its optimizers: every parameter they hold is
         sharded; the optimizers returned are the engine's (the user's optimizer stepping the fp32 master
-        shards; a scheduler made on the user's optimizer keeps working). The module is not wrapped."""
+        shards; a scheduler made on the user's optimizer keeps working). The module is not wrapped.
+
+        Lightning 2.6's Fabric passes the scheduler and takes three values back; 2.5's passes none and takes
+        two: what was passed comes back, so one signature serves both."""
         self._check_new(module)
-        return module, list(self._build_engine(module, optimizers).optimizers), scheduler
+        return module, list(self._build_engine(module, optimizers).optimizers), *scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
