@@ -9,8 +9,10 @@ copies are made here too (:class:`~lightning_zero.checkpoint.staging.Stager`).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,6 +138,7 @@ class AsyncCheckpointer:
         except CheckpointSaveError as exc:
             previous_error = exc
         staged = threading.Event()
+        _finish_at_exit.register()
         self._pending = PendingSave(url, self.executor().submit(job, staged), staged, stats=stats)
         self._submitted_stats = stats
         if stats is not None:
@@ -246,6 +249,35 @@ class AsyncCheckpointer:
         self._removals = still_running
 
 
+class _FinishAtExit:
+    """[Note: a save in flight at exit] A program may end right after its last save: litgpt's pre-training
+    script calls ``fabric.save(".../final/lit_model.pth", state)`` and returns, and Fabric has no teardown
+    of its own. The worker is a daemon thread (a hung store must not keep a crashed job alive), so the
+    interpreter would stop it mid-write, or abort inside a collective, and the last checkpoint would be
+    lost. At exit the save in flight, and the removals queued behind it, are finished first, on every rank
+    (each finishes its own part, so a save whose job exchanges over the coordination group completes). The
+    handler is registered at the first save, after the handlers of torch and Lightning that their imports
+    registered: ``atexit`` runs the newest first, so it runs while the process group is still there. A
+    save that fails here is reported on stderr; the previous checkpoint is untouched, as after any failed
+    save. The Trainer's teardown, and Fabric's ``strategy.teardown()``, have already finished the save, so
+    it finds nothing to do."""
+
+    def __init__(self) -> None:
+        self._registered = False
+
+    def register(self) -> None:
+        if not self._registered:
+            self._registered = True
+            atexit.register(self)
+
+    def __call__(self) -> None:
+        try:
+            _CHECKPOINTER.finalize(blocking=True)
+        except Exception as exc:
+            sys.stderr.write(f"lightning_zero: the checkpoint save in flight at exit failed: {exc}\n")
+
+
+_finish_at_exit = _FinishAtExit()
 _CHECKPOINTER = AsyncCheckpointer()
 
 
