@@ -47,6 +47,15 @@ bench: install
 # DeepSpeed ZeRO-1/2 as rows of bench/engine.py, on its CPU accelerator with no prebuilt ops. Installed
 # into a folder of its own (not the venv, not the test extras), with the few pure-Python packages it
 # imports that the venv lacks; at start it JIT-builds its shared-memory op with the system's g++.
+.PHONY: litgpt-check lightning-tests
+# Programs written elsewhere, each in a venv of its own under clients/ (not CI; results in COMPATIBILITY.md):
+# litgpt 0.5.13's pre-training script under zero2, resumed, then `litgpt generate` on its checkpoint;
+# Lightning's own tests with zero2 in place of DDP against a pass-through control.
+litgpt-check:
+	nice -n 10 clients/litgpt/check.sh
+lightning-tests:
+	clients/lightning_tests/run.sh
+
 .PHONY: bench-peers
 PEERS_DIR ?= .bench-peers
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
