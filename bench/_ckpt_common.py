@@ -38,7 +38,7 @@ def write_raw(path: str, nbytes: int, chunk: memoryview, writeback: bool = False
     """Sequential large writes then fsync; returns (start, end) on the monotonic clock. With
     ``writeback``, through the checkpoint writers' ``WritebackStream`` ([Note: early writeback]),
     dropping written pages unless not ``drop_behind``."""
-    from lightning_zero.checkpoint.writeback import WritebackStream
+    from lightning_zero.checkpoint.store.writeback import WritebackStream
 
     start = now()
     with open(path, "wb", buffering=0) as raw:

@@ -85,8 +85,8 @@ from lightning_zero.checkpoint import (
     save,
     wait_for_staging,
 )
-from lightning_zero.checkpoint.team import set_up_coordination
-from lightning_zero.checkpoint.tree import is_tensor_leaf, map_leaves, walk
+from lightning_zero.checkpoint.formats.tree import is_tensor_leaf, map_leaves, walk
+from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -492,8 +492,8 @@ def world_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
 
 def integrity_run(rank: int, world_size: int, settings: Settings) -> dict[str, Any]:
     """Synchronous save, then load (page cache dropped), of the same state in every mode, with the
-    CRC32 checksums (lightning_zero.checkpoint.integrity) and without them, interleaved."""
-    from lightning_zero.checkpoint import integrity
+    CRC32 checksums (lightning_zero.checkpoint.formats.integrity) and without them, interleaved."""
+    from lightning_zero.checkpoint.formats import integrity
 
     trainer = build_trainer(settings, rank)
     set_up_coordination()

@@ -83,7 +83,7 @@ def peers_run(rank: int, world_size: int, settings: Any) -> dict[str, Any]:
     from checkpoint import build_trainer
 
     from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, wait_for_staging
-    from lightning_zero.checkpoint.team import set_up_coordination
+    from lightning_zero.checkpoint.runtime.team import set_up_coordination
 
     ours = build_trainer(settings, rank)
     set_up_coordination()

@@ -21,7 +21,7 @@ CUDA-only ones print ``SKIP``; ``tests/test_gpu_check.py`` runs it that way. Che
    reduce-scatter for both stages.
 
 6. (CUDA) checkpoint staging: an async save copies into pinned host buffers, reused by the next
-   save, on a stream other than the training stream ([Note: staging on GPUs] in checkpoint/staging.py).
+   save, on a stream other than the training stream ([Note: staging on GPUs] in checkpoint/runtime/staging.py).
 7. (CUDA) a training step with an async save in flight is at most 1.15x a step without.
 8. (CUDA) a plain ``TorchCheckpointIO`` under ZeroLowLevelStrategy on NCCL: the gather to rank 0
    runs on the training group with CUDA tensors and one ordinary file comes out.
@@ -313,7 +313,7 @@ def check_staging_pinned() -> str:
     import tempfile
 
     from lightning_zero.checkpoint import maybe_finalize_async_calls, saver, wait_for_staging, zero_state_dict
-    from lightning_zero.checkpoint.scheduler import checkpointer
+    from lightning_zero.checkpoint.runtime.scheduler import checkpointer
 
     init_one_rank("nccl")
     try:

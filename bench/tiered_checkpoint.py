@@ -51,7 +51,7 @@ from _ckpt_common import (
 )
 
 from lightning_zero.checkpoint import LocalTier, ZeroCheckpointIO, load
-from lightning_zero.checkpoint.team import set_up_coordination
+from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"

@@ -43,8 +43,8 @@ from lightning_zero.checkpoint import (
     maybe_finalize_async_calls,
     wait_for_staging,
 )
-from lightning_zero.checkpoint.team import set_up_coordination
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.runtime.team import set_up_coordination
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 METHODS = ("raw", "raw_writeback", "raw_writeback_cached", "sharded", "sharded_one_thread", "sharded_cached",
            "sharded_no_writeback", "local", "dcp_save")

@@ -48,7 +48,7 @@ from lightning_zero.checkpoint import (  # noqa: E402
     wait_for_staging,
     zero_state_dict,
 )
-from lightning_zero.checkpoint.storage import resolve  # noqa: E402
+from lightning_zero.checkpoint.store.storage import resolve  # noqa: E402
 
 NAME = re.compile(r"step-(\d+)\.ckpt$")
 

@@ -44,7 +44,7 @@ def tiered_last(trainer: Any, found: set[str]) -> set[str]:
     collectively when the strategy loads (``ZeroCheckpointIO.resolve_last``); Lightning is handed this
     node's tier directory, which only has to exist. Without any checkpoint on this node's tier or the
     durable path, nothing is resumed, as Lightning does."""
-    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
 
     strategy = trainer.strategy
     io = getattr(strategy, "checkpoint_io", None)
@@ -74,7 +74,7 @@ class _ResumeNothing:
     def __call__(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        from lightning_zero.checkpoint.tier_recovery import NothingToResume
+        from lightning_zero.checkpoint.tiered.tier_recovery import NothingToResume
 
         try:
             type(self.connector).resume_start(self.connector, checkpoint_path, weights_only=weights_only)
@@ -95,8 +95,8 @@ def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str, warn:
     complete ``epoch=...`` checkpoints beside it; Lightning's ``ckpt_path="last"`` then finds nothing
     and silently trains from step 0. An uncommitted save has no marker (or only a ``.tmp-`` file in
     ``full`` mode), so every name listed here whose marker reads is a complete checkpoint."""
-    from lightning_zero.checkpoint import storage
-    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.store import storage
 
     io = getattr(trainer.strategy, "checkpoint_io", None)
     options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
@@ -152,7 +152,7 @@ class _LinkAfterCommit:
         self.callback = callback
 
     def __call__(self, trainer: Any, filepath: str, linkpath: str) -> None:
-        from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+        from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
 
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, ZeroCheckpointIO):
@@ -181,7 +181,7 @@ class _SetupAllowingRemoteLink:
 
 def fix_link_last(trainer: Any) -> None:
     """Install :class:`_LinkAfterCommit` on ModelCheckpoints with ``save_last="link"`` (idempotent)."""
-    from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
 
     if not isinstance(getattr(trainer.strategy, "checkpoint_io", None), ZeroCheckpointIO):
         return

@@ -9,7 +9,7 @@ shards a Fabric loop's optimizer state, and with stage 2 its gradients, exactly 
 the checkpoint plugin's mode (``Fabric(plugins=[ZeroCheckpointIO(mode=..., async_save=...)])``).
 
 The strategy holds no sharding math and no checkpoint format of its own: a save writes
-:func:`~lightning_zero.checkpoint.fabric_tree.fabric_tree` ([Note: Fabric's layout] there: in ``full``
+:func:`~lightning_zero.checkpoint.lightning.fabric_tree.fabric_tree` ([Note: Fabric's layout] there: in ``full``
 mode the one file Fabric's DDP writes, ``torch.load(path)["model"]`` the module's ``state_dict``; in
 ``local``/``sharded`` mode the engine's tree), and a load is
 :func:`~lightning_zero.checkpoint.load_zero_state_dict`.
@@ -51,7 +51,7 @@ from lightning_zero.checkpoint import (
     wait_for_staging,
     zero_state_dict,
 )
-from lightning_zero.checkpoint.fabric_tree import fabric_tree
+from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree
 from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
@@ -302,7 +302,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
         In ``full`` mode the file is the one Fabric's DDP writes (the state's keys at the top, ``ckpt["model"]``
         the module's ``state_dict()``, ``ckpt["optimizer"]`` the optimizer's per-parameter state), plus the
-        fp32 masters of parameters kept in a lower precision ([Note: Fabric's layout] in checkpoint/fabric_tree.py).
+        fp32 masters of parameters kept in a lower precision ([Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py).
         The module's exact fp32 masters and the optimizers' sharded state are written in the plugin's mode;
         ``filter={"model": fn}`` keeps the weights and buffers for which ``fn(name, tensor)`` is true. With
         ``async_save`` the call returns once the save is queued; the tensors are copied before the next
@@ -324,7 +324,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         blob = _to_blob(rest)  # refuses what would not load back
         wait_for_staging()  # a save still copying the masters finishes before they are written again
         engine.adopt_module_writes()  # weights written into the module are what is saved
-        # [Note: Fabric's layout] in checkpoint/fabric_tree.py: a full file is what Fabric's DDP writes.
+        # [Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py: a full file is what Fabric's DDP writes.
         tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
                            self._meta[module], blob, keep=filter.get(module_key))
         options = {**io.storage_options, **(storage_options or {})}

@@ -34,13 +34,8 @@ from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import (
-    CheckpointMetrics,
-    ZeroCheckpointIO,
-    engine_tree,
-    lightning_tree,
-    wait_for_staging,
-)
+from lightning_zero.checkpoint import CheckpointMetrics, ZeroCheckpointIO, engine_tree, wait_for_staging
+from lightning_zero.checkpoint.lightning import lightning_tree
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -447,7 +442,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's ``state_dict()``, as under DDP: what ``on_save_checkpoint`` hooks see and edit.
 
-        A save then holds what the hooks left ([Note: what a checkpoint holds] in checkpoint/lightning_tree.py):
+        A save then holds what the hooks left ([Note: what a checkpoint holds] in checkpoint/lightning/lightning_tree.py):
         entries still holding the module's own tensors are written from the engine's exact fp32 masters.
         ``state_dict()`` finishes the step's overlapped parameter gathers first (a hook may read the
         values), so a step that saves gives up that overlap. ``exclude_frozen_parameters``: parameters
@@ -489,7 +484,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         strict = bool(getattr(module, "strict_loading", True))
         may_lack = self._may_lack(module)
         # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
-        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning_tree.py).
+        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/lightning_tree.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
         pending: list[lightning_tree.PendingWeights] = []
         # Lightning's argument (fit/validate/test/predict(..., weights_only=...)): None is torch's default, True.
@@ -560,7 +555,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         assert module is not None
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None and self._engine is not None:
-            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning_tree.py).
+            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/lightning_tree.py).
             lightning_tree.apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
                                                self._may_lack(module))
             lightning_tree.publish(self._engine, module)

@@ -350,7 +350,8 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
     What each rank's finalize raised, and what ``last.ckpt`` holds afterwards."""
     import errno
 
-    from lightning_zero.checkpoint import async_save, file_io, maybe_finalize_async_calls
+    from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls
+    from lightning_zero.checkpoint.store import file_io
 
     path = f"{root}/last.ckpt"
     model, engine = build(rank, world_size)
@@ -382,8 +383,8 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
 def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, bool]:
     """Two ``sharded`` saves of one tree structure, then both loaded back: (global plans the
     coordinator computed, whether both loads equal what was saved). [Note: cached save plans]"""
-    from lightning_zero.checkpoint import dcp_adapter
-    from lightning_zero.checkpoint.tree import FlatShard
+    from lightning_zero.checkpoint.dcp import dcp_adapter
+    from lightning_zero.checkpoint.formats.tree import FlatShard
     from lightning_zero.sharding import EvenShard
 
     planned = []
@@ -421,7 +422,7 @@ def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
     ``own1`` in each save. [Note: cached save plans]"""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_zero.checkpoint.tree import FlatShard
+    from lightning_zero.checkpoint.formats.tree import FlatShard
     from lightning_zero.sharding import EvenShard
 
     layout = EvenShard(10, world_size)
@@ -468,7 +469,8 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
     (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
     a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
-    from lightning_zero.checkpoint import lightning_tree, writeback
+    from lightning_zero.checkpoint.lightning import lightning_tree
+    from lightning_zero.checkpoint.store import writeback
 
     model, engine = build(rank, world_size)
     train(model, engine, range(SAVED_AT_STEP), rank, world_size)
@@ -536,7 +538,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def resume_outcome(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """A fresh engine resumed from ``path`` (``load_zero_state_dict``): the error (its text and notes)
     or the state loaded, and whether a failed load left the model's weights untouched."""
-    from lightning_zero.checkpoint import lightning_tree
+    from lightning_zero.checkpoint.lightning import lightning_tree
 
     model, engine = build(rank, world_size, perturb=1.0)
     before = params(model)

@@ -549,7 +549,7 @@ def marker_reads(rank: int, world_size: int, root: str, mode: str) -> dict[str, 
     """A fit that saves in ``mode``, then a fit resumed from that checkpoint and a validate from it, each
     in a fresh Trainer, counting this rank's reads of the commit marker in each (issue 17: a load reads
     the marker once per rank at most; the team's coordinator reads it for every rank)."""
-    from lightning_zero.checkpoint import storage
+    from lightning_zero.checkpoint.store import storage
 
     as_torchrun(rank, world_size)
     trainer = make_trainer(world_size, "zero", root, mode=mode, max_steps=2)

@@ -235,7 +235,7 @@ _FAKES = {  # DeepSpeed's module and class names -> classes here that pickle und
 
 def _as_deepspeed(value: Any) -> Any:
     """What the reader's stand-ins hold, as objects that pickle under DeepSpeed's names."""
-    from lightning_zero.checkpoint import deepspeed_files as files
+    from lightning_zero.checkpoint.formats import deepspeed_files as files
 
     if isinstance(value, files.FragmentAddress):
         return _FragmentAddress(value.numel, value.start)
@@ -258,7 +258,7 @@ def rewrite_deepspeed_file(path: Path, edit: Any) -> None:
     import sys
     import types
 
-    from lightning_zero.checkpoint.deepspeed_files import STAND_INS
+    from lightning_zero.checkpoint.formats.deepspeed_files import STAND_INS
 
     with torch.serialization.safe_globals(STAND_INS):
         content = torch.load(path, map_location="cpu", weights_only=True)

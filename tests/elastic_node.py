@@ -26,7 +26,7 @@ from lightning_cases import NetModule, loader  # noqa: E402
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy  # noqa: E402
 from lightning_zero.checkpoint.engine_tree import zero_state_dict  # noqa: E402
-from lightning_zero.checkpoint.tree import FlatShard, walk  # noqa: E402
+from lightning_zero.checkpoint.formats.tree import FlatShard, walk  # noqa: E402
 
 GLOBAL_BATCH_RANKS = 4  # the data's global batches, the same at every world size
 
@@ -71,7 +71,7 @@ class CrashAfterLastSave(Callback):
 
 
 def _kill_in_replication(nth: int) -> None:
-    from lightning_zero.checkpoint import replication
+    from lightning_zero.checkpoint.tiered import replication
 
     original, calls = replication.Replicating.join, []
 

@@ -15,7 +15,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_zero import ZeroCheckpointIO
-from lightning_zero.checkpoint import file_io
+from lightning_zero.checkpoint.store import file_io
 from lightning_zero.fabric import ZeroLowLevelStrategy
 
 DELAY = 1.5

@@ -170,7 +170,7 @@ class StagingClock(Callback):
         self.events: list[tuple[str, float]] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from lightning_zero.checkpoint.staging import Stager
+        from lightning_zero.checkpoint.runtime.staging import Stager
 
         real_stage = Stager.stage
 

@@ -267,7 +267,7 @@ def save_midway(rank: int, world_size: int, run: Run, root: str, modes: tuple[st
 
 def resume(rank: int, world_size: int, run: Run, path: str) -> dict[str, Any]:
     """A fresh engine (other initial weights) resumed from ``path``, then steps 2 and 3."""
-    from lightning_zero.checkpoint import lightning_tree
+    from lightning_zero.checkpoint.lightning import lightning_tree
 
     model, engine = build(run, rank)
     with torch.no_grad():

@@ -19,16 +19,15 @@ from checkpoint_cases import MODES, assert_same_state, local_save_collectives, r
 from lightning_zero.checkpoint import (
     FlatShard,
     async_save,
-    file_io,
     load,
     maybe_finalize_async_calls,
     read_mode,
     remove,
     save,
-    storage,
     wait_for_staging,
 )
-from lightning_zero.checkpoint.staging import Stager
+from lightning_zero.checkpoint.runtime.staging import Stager
+from lightning_zero.checkpoint.store import file_io, storage
 
 WORLD_SIZE = 2
 

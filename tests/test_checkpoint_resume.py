@@ -28,7 +28,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_cases import NetModule, loader
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint.store import storage
 
 pytestmark = pytest.mark.slow
 

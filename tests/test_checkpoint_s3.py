@@ -24,7 +24,7 @@ from checkpoint_cases import (
 )
 from s3_server import S3
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint.store import storage
 
 pytestmark = pytest.mark.s3
 

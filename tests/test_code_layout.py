@@ -1,6 +1,7 @@
 """The shape ARCHITECTURE.md describes, held by tests: dependencies one way (no import cycle, imports
 inside functions included), no oversized module, and the strategy entering the checkpoint package
-only through its public names and the two mapping modules (``lightning_tree``, ``engine_tree``)."""
+only through its public names and the two mapping modules (``lightning_tree``, ``engine_tree``), and the
+checkpoint package's subpackages importing one way (``LAYERS``)."""
 
 from __future__ import annotations
 
@@ -103,11 +104,62 @@ def test_no_module_is_oversized(name: str) -> None:
 
 def test_the_strategy_enters_the_checkpoint_package_through_public_names_and_the_mapping_modules() -> None:
     modules = _modules()
-    allowed = set(lightning_zero.checkpoint.__all__) | {"lightning_tree", "engine_tree"}
+    allowed = {("lightning_zero.checkpoint", name) for name in lightning_zero.checkpoint.__all__}
+    allowed |= {("lightning_zero.checkpoint", "engine_tree"), ("lightning_zero.checkpoint.lightning", "lightning_tree")}
     tree = ast.parse(modules["lightning_zero.strategy"].read_text())
     used = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
-            assert node.module == "lightning_zero.checkpoint", f"strategy.py imports from {node.module}"
-            used |= {alias.name for alias in node.names}
+            used |= {(node.module, alias.name) for alias in node.names}
     assert used and used <= allowed, used - allowed
+
+
+LAYERS: dict[str, set[str]] = {
+    # group: the groups it may import (lightning_zero.checkpoint's own top-level modules are "verbs")
+    "store": set(),
+    "formats": {"store"},
+    "dcp": {"store", "formats"},
+    "runtime": {"store", "formats"},
+    "modes": {"store", "formats", "dcp", "runtime"},
+    "verbs": {"store", "formats", "dcp", "runtime", "modes"},
+    "tiered": {"store", "formats", "runtime", "modes"},
+    "interop": {"store", "formats", "verbs"},
+    "lightning": {"store", "formats", "dcp", "runtime", "modes", "verbs", "tiered"},
+}
+"""Which subpackage of ``lightning_zero.checkpoint`` may import which (the package's docstring, and each
+subpackage's, say the same in words)."""
+
+
+def _group(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[:2] != ["lightning_zero", "checkpoint"] or len(parts) == 2:
+        return None
+    return parts[2] if len(parts) > 3 or parts[2] in LAYERS else "verbs"
+
+
+def _layer_breaks(edges: dict[str, set[str]]) -> list[str]:
+    breaks = []
+    for name, targets in edges.items():
+        group = _group(name)
+        if group is None:
+            continue
+        for target in targets:
+            other = _group(target)
+            if other is not None and other != group and other not in LAYERS[group]:
+                breaks.append(f"{name} ({group}) imports {target} ({other})")
+    return sorted(breaks)
+
+
+def test_the_checkpoint_subpackages_import_one_way() -> None:
+    modules = _modules()
+    groups = {_group(name) for name in modules} - {None}
+    assert groups == set(LAYERS), groups ^ set(LAYERS)  # every subpackage has its row, no row is stale
+    edges = {name: _imports(name, path, modules) - {name} for name, path in modules.items()}
+    assert _layer_breaks(edges) == []
+
+
+def test_the_layer_check_finds_an_import_against_the_order() -> None:
+    edges = {"lightning_zero.checkpoint.store.storage": {"lightning_zero.checkpoint.tiered.tiers"},
+             "lightning_zero.checkpoint.tiered.tiers": {"lightning_zero.checkpoint.store.storage"}}
+    assert _layer_breaks(edges) == [
+        "lightning_zero.checkpoint.store.storage (store) imports lightning_zero.checkpoint.tiered.tiers (tiered)"]

@@ -52,7 +52,7 @@ def marker(path: Path | bytes) -> dict[str, Any]:
     """A commit marker as plain ``torch.load`` reads it: Lightning's fields, and ours (mode, world size)."""
     import io
 
-    from lightning_zero.checkpoint.storage import MARKER_KEY
+    from lightning_zero.checkpoint.store.storage import MARKER_KEY
 
     content = torch.load(io.BytesIO(path) if isinstance(path, bytes) else path, weights_only=True)
     return {**content, **content[MARKER_KEY]}

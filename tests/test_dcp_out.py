@@ -17,7 +17,7 @@ from dcp_out_cases import STEPS_AFTER, STEPS_BEFORE, continue_ours, fsdp2_contin
 from deepspeed_cases import FIXTURES, stitched
 
 from lightning_zero.checkpoint import read_lightning_checkpoint, to_dcp
-from lightning_zero.checkpoint.dcp_out import LIGHTNING_STATE
+from lightning_zero.checkpoint.interop.dcp_out import LIGHTNING_STATE
 from lightning_zero.checkpoint.reader import read_zero_tree
 
 TRAINED = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight"]

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 checkpoints read without DeepSpeed (``lightning_zero.checkpoint.deepspeed_in``), against
+"""DeepSpeed ZeRO-1/2 checkpoints read without DeepSpeed (``lightning_zero.checkpoint.formats.deepspeed_in``), against
 the checkpoints DeepSpeed 0.19.8 wrote under tests/fixtures/deepspeed/ and its own view of them
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, recorded by make_fixtures.py): the state read
 equals DeepSpeed's bit for bit; ``trainer.fit(ckpt_path=<DeepSpeed folder>)`` at 1, 2 and 3 ranks trains the next
@@ -30,8 +30,8 @@ from deepspeed_cases import (
 )
 
 from lightning_zero.checkpoint import CheckpointCorruptError, convert, read_lightning_checkpoint
-from lightning_zero.checkpoint.deepspeed_files import DynamicLossScaler
-from lightning_zero.checkpoint.deepspeed_in import _scaler_state
+from lightning_zero.checkpoint.formats.deepspeed_files import DynamicLossScaler
+from lightning_zero.checkpoint.formats.deepspeed_in import _scaler_state
 from lightning_zero.checkpoint.reader import MASTERS_KEY, META_KEY
 
 LAYOUTS = {"raw": "raw", "lightning": "lightning.ckpt"}
@@ -123,7 +123,8 @@ def test_a_deepspeed_users_scheduler_and_step_come_from_the_engines_state() -> N
 
 
 def test_read_deepspeed_without_the_optimizer_reads_the_masters_only() -> None:
-    from lightning_zero.checkpoint import read_deepspeed, storage
+    from lightning_zero.checkpoint import read_deepspeed
+    from lightning_zero.checkpoint.store import storage
 
     checkpoint = read_deepspeed(storage.resolve(folder("zero2-bf16", "raw")), optimizer=False)
     assert checkpoint.optimizer_state is None

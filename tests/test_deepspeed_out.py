@@ -19,8 +19,13 @@ from dcp_out_cases import train_ours
 from deepspeed_cases import FIXTURES
 
 from lightning_zero.checkpoint import convert, read_lightning_checkpoint, to_deepspeed
-from lightning_zero.checkpoint.deepspeed_files import STAND_INS, FragmentAddress, StaticLossScaler, ZeroStage
-from lightning_zero.checkpoint.named_state import read_named
+from lightning_zero.checkpoint.formats.deepspeed_files import (
+    STAND_INS,
+    FragmentAddress,
+    StaticLossScaler,
+    ZeroStage,
+)
+from lightning_zero.checkpoint.interop.named_state import read_named
 from lightning_zero.checkpoint.reader import META_KEY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,7 +181,8 @@ def test_out_at_another_world_size_reads_back_equal(tmp_path: Path, case: str, w
 
 
 def test_read_deepspeed_of_the_output_gives_the_sources_masters_and_moments(tmp_path: Path) -> None:
-    from lightning_zero.checkpoint import read_deepspeed, storage
+    from lightning_zero.checkpoint import read_deepspeed
+    from lightning_zero.checkpoint.store import storage
 
     source = read_named(full_file(tmp_path, "zero2-bf16"))
     back = read_deepspeed(storage.resolve(to_deepspeed(str(FIXTURES / "zero2-bf16" / "lightning.ckpt"),

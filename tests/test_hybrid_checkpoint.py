@@ -16,7 +16,7 @@ from _dist import run_distributed
 from checkpoint_cases import assert_same_state, fit
 from hybrid_cases import load_hybrid, save_and_load_by_group, save_hybrid
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint.store import storage
 from lightning_zero.sharding import EvenShard
 
 SAVES = {"N2xR2": (4, 2), "N4xR1": (4, None)}

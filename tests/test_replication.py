@@ -1,4 +1,4 @@
-"""``checkpoint/replication.py``: files streamed between ranks in pieces, whole or not at all on arrival."""
+"""``checkpoint/tiered/replication.py``: files streamed between ranks in pieces, whole or not at all on arrival."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import torch.distributed as dist
 from _dist import run_distributed
 
-from lightning_zero.checkpoint import replication
+from lightning_zero.checkpoint.tiered import replication
 
 _SIZES = (0, 1, 7, 4096, 4096 * 3 + 5)  # empty, one byte, under one piece, exactly one, several with a tail
 

@@ -1,4 +1,4 @@
-"""Early writeback of local checkpoint files ([Note: early writeback] in checkpoint/writeback.py): what
+"""Early writeback of local checkpoint files ([Note: early writeback] in checkpoint/store/writeback.py): what
 the writers hand the kernel while they write, and that nothing about the files changes."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_zero.checkpoint import CheckpointTuning, FlatShard, load, save, writeback
+from lightning_zero.checkpoint import CheckpointTuning, FlatShard, load, save
+from lightning_zero.checkpoint.store import writeback
 
 MIB = 2**20
 

@@ -14,9 +14,9 @@ from lightning_cases import NetModule, loader
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy
 from lightning_zero.checkpoint import read_mode
-from lightning_zero.checkpoint.replication import ring_peers
-from lightning_zero.checkpoint.storage import MARKER_KEY
-from lightning_zero.checkpoint.tiers import tier_markers
+from lightning_zero.checkpoint.store.storage import MARKER_KEY
+from lightning_zero.checkpoint.tiered.replication import ring_peers
+from lightning_zero.checkpoint.tiered.tiers import tier_markers
 
 pytestmark = pytest.mark.usefixtures("in_process_trainer_group")
 
@@ -99,7 +99,7 @@ def test_durable_tier_newer_than_local_is_taken(tmp_path):
     module = NetModule()
     trainer.fit(module, loader(3, 1, 1))
     # The local tier lost its newest save (step 3): the durable step-3 checkpoint is newer than local step 2.
-    from lightning_zero.checkpoint import storage
+    from lightning_zero.checkpoint.store import storage
 
     storage.remove(storage.resolve(str(tmp_path / "local" / "node0" / "epoch=0-step=3.ckpt")))
     resumed = NetModule()

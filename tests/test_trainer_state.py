@@ -94,7 +94,7 @@ def test_a_full_tree_is_a_snapshot_of_what_the_fence_does_not_hold() -> None:
     differed from DDP's because the averages of a later epoch reached the file)."""
     from lightning.fabric.utilities.data import AttributeDict
 
-    from lightning_zero.checkpoint.lightning_tree import build_tree
+    from lightning_zero.checkpoint.lightning.lightning_tree import build_tree
 
     module = torch.nn.Linear(3, 2)
     average = torch.ones(2, 3)

@@ -58,8 +58,8 @@ class ParamsEveryStep(Callback):
 
 def _kill_in(where: str, nth: int) -> None:
     """Make this process die (as a node does) in the ``nth`` save's replication or durable write."""
-    from lightning_zero.checkpoint import replication
     from lightning_zero.checkpoint.modes import sharded
+    from lightning_zero.checkpoint.tiered import replication
 
     module, name = (replication.Replicating, "join") if where == "replication" else (sharded, "write_sharded")
     original, calls = getattr(module, name), []

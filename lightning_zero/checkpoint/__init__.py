@@ -1,14 +1,31 @@
-"""Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes."""
+"""Async checkpoints of ZeRO state: ``local``, ``sharded`` (reshardable) and ``full`` modes.
 
-from lightning_zero.checkpoint.convert import convert, save_pretrained
-from lightning_zero.checkpoint.dcp_out import to_dcp
-from lightning_zero.checkpoint.deepspeed_in import DeepSpeedCheckpoint, read_deepspeed
-from lightning_zero.checkpoint.deepspeed_out import to_deepspeed
+The package by concern, each layer importing only the ones before it (tests/test_code_layout.py holds it):
+
+* ``store/``: where bytes go (filesystem and fsspec locations, files, write-back);
+* ``formats/``: what they mean (the ZeRO tree, CRCs, DeepSpeed's files);
+* ``dcp/``, ``runtime/``: torch DCP for ``sharded``; the worker thread, staging, coordination, figures;
+* ``modes/``: each mode's writes and reads;
+* the verbs at this level: ``saver`` (when and how a save runs, and the load dispatch), ``opening`` (what a
+  path holds), ``reader`` (any checkpoint read whole), ``engine_tree`` (the engine's state as a tree),
+  ``trainer_state`` (Lightning's non-tensor state, weights-only);
+* ``tiered/``: the local tier, its replicas, recovery and reshard;
+* ``lightning/``, ``interop/``: the front ends (the Lightning plugin, the Trainer's and Fabric's mappings,
+  metrics) and the writers of other systems' layouts.
+
+Users import from here; the names below are the public ones."""
+
 from lightning_zero.checkpoint.engine_tree import zero_state_dict
-from lightning_zero.checkpoint.lightning_tree import load_weights, load_zero_state_dict
-from lightning_zero.checkpoint.metrics import CheckpointMetrics, SaveStats
-from lightning_zero.checkpoint.plugin import ZeroCheckpointIO
+from lightning_zero.checkpoint.formats.deepspeed_in import DeepSpeedCheckpoint, read_deepspeed
+from lightning_zero.checkpoint.formats.tree import FlatShard
+from lightning_zero.checkpoint.interop.convert import convert, save_pretrained
+from lightning_zero.checkpoint.interop.dcp_out import to_dcp
+from lightning_zero.checkpoint.interop.deepspeed_out import to_deepspeed
+from lightning_zero.checkpoint.lightning.lightning_tree import load_weights, load_zero_state_dict
+from lightning_zero.checkpoint.lightning.metrics import CheckpointMetrics, SaveStats
+from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.reader import read_lightning_checkpoint
+from lightning_zero.checkpoint.runtime.stats import TierLoad
 from lightning_zero.checkpoint.saver import (
     CheckpointSaveError,
     async_save,
@@ -22,11 +39,9 @@ from lightning_zero.checkpoint.saver import (
     save,
     wait_for_staging,
 )
-from lightning_zero.checkpoint.stats import TierLoad
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError
-from lightning_zero.checkpoint.tiers import LocalTier
-from lightning_zero.checkpoint.tree import FlatShard
-from lightning_zero.checkpoint.tuning import CheckpointTuning
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, CheckpointNotFoundError
+from lightning_zero.checkpoint.store.tuning import CheckpointTuning
+from lightning_zero.checkpoint.tiered.tiers import LocalTier
 
 __all__ = [
     "CheckpointCorruptError",

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero._compat import persistent_buffers
-from lightning_zero.checkpoint.tree import FlatShard
+from lightning_zero.checkpoint.formats.tree import FlatShard
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.grad_bucket import ShardedParam
 from lightning_zero.optimizer import ZeroOptimizer
@@ -57,7 +57,7 @@ def flat_master(sp: ShardedParam, world_size: int) -> FlatShard:
 def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False,
                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
-    (see the layout in :mod:`lightning_zero.checkpoint.lightning_tree`). ``for_load``: the tree a load
+    (see the layout in :mod:`lightning_zero.checkpoint.lightning.lightning_tree`). ``for_load``: the tree a load
     fills (buffers not copied, no ``meta``). ``meta``: :func:`module_meta`, if already known (the
     strategy computes it once at setup; see there)."""
     ws = engine.shard_size

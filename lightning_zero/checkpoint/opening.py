@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zero.checkpoint import dcp_integrity, deepspeed_files, storage
+from lightning_zero.checkpoint.dcp import dcp_integrity
+from lightning_zero.checkpoint.formats import deepspeed_files
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, validate_marker_mode
 from lightning_zero.checkpoint.modes import sharded as sharded_mode
-from lightning_zero.checkpoint.scheduler import checkpointer
-from lightning_zero.checkpoint.storage import Location
-from lightning_zero.checkpoint.team import Team, from_coordinator
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.runtime.scheduler import checkpointer
+from lightning_zero.checkpoint.runtime.team import Team, from_coordinator
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import Location
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def open_checkpoint(checkpoint: str | Location, storage_options: dict[str, Any] | None = None, *,

@@ -7,7 +7,7 @@ from a checkpoint (``validate/test/predict(ckpt_path=...)`` at any world size),
 ``read_zero_tree`` rebuilds the saved tree with every :class:`FlatShard` replaced by the whole
 tensor (``local``: the rank files' pieces put side by side in rank order; ``sharded``: DCP reads
 each tensor whole, which is resharding to one process). ``to_lightning`` turns that tree into
-Lightning's own checkpoint format (see :mod:`lightning_zero.checkpoint.lightning_tree` for the tree).
+Lightning's own checkpoint format (see :mod:`lightning_zero.checkpoint.lightning.lightning_tree` for the tree).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.checkpoint import deepspeed_files, deepspeed_in, storage
+from lightning_zero.checkpoint.formats import deepspeed_files, deepspeed_in
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, full, local, sharded
 from lightning_zero.checkpoint.opening import open_checkpoint
-from lightning_zero.checkpoint.storage import CheckpointCorruptError
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.trainer_state import read_trainer_state
 from lightning_zero.engine import dtype_from_name
 

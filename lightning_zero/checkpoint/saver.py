@@ -32,23 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import file_io, storage
-from lightning_zero.checkpoint.modes import Mode, OpenedCheckpoint, full, local, sharded, validate_mode
-from lightning_zero.checkpoint.opening import open_checkpoint
-from lightning_zero.checkpoint.scheduler import CheckpointSaveError, checkpointer, replace_after_fork
-from lightning_zero.checkpoint.staging import ready_event
-from lightning_zero.checkpoint.stats import SaveStats
-from lightning_zero.checkpoint.storage import Location
-from lightning_zero.checkpoint.team import (
-    Team,
-    all_gather_objects,
-    checked_on_every_rank,
-    forget_group_after_fork,
-    make_team,
-    release_group,
-    world,
-)
-from lightning_zero.checkpoint.tree import (
+from lightning_zero.checkpoint.formats.tree import (
     FlatShard,
     check_same_keys,
     is_tensor_leaf,
@@ -58,7 +42,23 @@ from lightning_zero.checkpoint.tree import (
     tensor_leaves,
     walk,
 )
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.modes import Mode, OpenedCheckpoint, full, local, sharded, validate_mode
+from lightning_zero.checkpoint.opening import open_checkpoint
+from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer, replace_after_fork
+from lightning_zero.checkpoint.runtime.staging import ready_event
+from lightning_zero.checkpoint.runtime.stats import SaveStats
+from lightning_zero.checkpoint.runtime.team import (
+    Team,
+    all_gather_objects,
+    checked_on_every_rank,
+    forget_group_after_fork,
+    make_team,
+    release_group,
+    world,
+)
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store.storage import Location
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 log = logging.getLogger(__name__)
 

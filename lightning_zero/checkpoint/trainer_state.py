@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import storage
-from lightning_zero.checkpoint.storage import CheckpointCorruptError
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 
 TREE_TAG = "lightning_zero"
 """Key of the mode in a tree built by :func:`build_tree` (the plugin checks it)."""

@@ -277,7 +277,8 @@ class Watch(Callback):
 def complete_checkpoints(ckpt_dir: str, storage_options: dict[str, Any]) -> list[str]:
     """The newest name in ``ckpt_dir`` that loads whole right now (what a crash at this moment would
     leave to resume from), or none."""
-    from lightning_zero.checkpoint import read_lightning_checkpoint, storage
+    from lightning_zero.checkpoint import read_lightning_checkpoint
+    from lightning_zero.checkpoint.store import storage
 
     loc = storage.resolve(f"{ckpt_dir.rstrip('/')}/probe", storage_options)
     good = []

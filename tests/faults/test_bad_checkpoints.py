@@ -26,9 +26,9 @@ from lightning_zero.checkpoint import (
     engine_tree,
     load,
     save,
-    storage,
 )
-from lightning_zero.checkpoint.tree import FlatShard, walk
+from lightning_zero.checkpoint.formats.tree import FlatShard, walk
+from lightning_zero.checkpoint.store import storage
 
 MODES = ("local", "sharded", "full")
 

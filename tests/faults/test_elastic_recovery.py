@@ -16,7 +16,7 @@ import torch
 from _dist import free_port
 from test_integrity import flip_byte
 
-from lightning_zero.checkpoint.tiers import tier_markers
+from lightning_zero.checkpoint.tiered.tiers import tier_markers
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
 

@@ -24,13 +24,12 @@ from lightning_zero.checkpoint import (
     CheckpointSaveError,
     ZeroCheckpointIO,
     async_save,
-    file_io,
     load,
     maybe_finalize_async_calls,
     remove,
     save,
-    writeback,
 )
+from lightning_zero.checkpoint.store import file_io, writeback
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
 DISK_FULL = r"No space left on device"
@@ -309,7 +308,7 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     # A failed write (kept; a KeyboardInterrupt or SystemExit also goes on up) aborts that file's
     # upload, and the file another thread writes stops at its next write and aborts its upload too,
     # instead of writing (or uploading) the rest of a save that is lost.
-    from lightning_zero.checkpoint import dcp_integrity
+    from lightning_zero.checkpoint.dcp import dcp_integrity
 
     uploads = _Uploads("failing.distcp", fails_with)
     fs = dcp_integrity._ChecksummingFileSystem(uploads)
@@ -329,7 +328,7 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
 def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:
     # An fsync, close or item that fails after the writes went through: the file is lost all the
     # same, and its close must not complete the upload.
-    from lightning_zero.checkpoint import dcp_integrity
+    from lightning_zero.checkpoint.dcp import dcp_integrity
 
     uploads = _Uploads("none", disk_full())
     fs = dcp_integrity._ChecksummingFileSystem(uploads)
@@ -345,7 +344,7 @@ def test_with_checksums_off_a_full_disk_still_fails_with_its_cause_and_stops_the
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # checksums_disabled() (bench/checkpoint.py --integrity) writes no CRCs but keeps the failure
     # handling: the cause, not torch's "unexpected pos", and the other file stops.
-    from lightning_zero.checkpoint import integrity
+    from lightning_zero.checkpoint.formats import integrity
 
     path = tmp_path / "last.ckpt"
     save(tree(1.0), str(path), mode="sharded")

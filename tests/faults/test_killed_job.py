@@ -19,8 +19,8 @@ from lightning_zero.checkpoint import (
     CheckpointSaveError,
     read_lightning_checkpoint,
     remove_incomplete,
-    storage,
 )
+from lightning_zero.checkpoint.store import storage
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

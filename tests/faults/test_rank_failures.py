@@ -22,7 +22,8 @@ from fault_cases import (
     train_while_a_peer_dies,
 )
 
-from lightning_zero.checkpoint import load, storage
+from lightning_zero.checkpoint import load
+from lightning_zero.checkpoint.store import storage
 
 OOM = r"can't allocate memory|not enough memory|out of memory|Cannot allocate memory"
 

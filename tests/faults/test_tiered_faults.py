@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_cases import NetModule, loader
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy
-from lightning_zero.checkpoint.tiers import tier_markers
+from lightning_zero.checkpoint.tiered.tiers import tier_markers
 
 TESTS = os.path.dirname(os.path.dirname(__file__))
 

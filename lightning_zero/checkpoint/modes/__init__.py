@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_zero.checkpoint import file_io
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.store import file_io
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 Mode = Literal["local", "sharded", "full"]
 MODES: tuple[Mode, ...] = ("local", "sharded", "full")
@@ -45,7 +45,7 @@ class OpenedCheckpoint:
     """``local``: rank files already read and verified (the key check reads the file the load uses)."""
     deepspeed: bool = False
     """A DeepSpeed ZeRO-1/2 checkpoint folder (mode ``full``): read whole, into Lightning's format, by
-    :mod:`~lightning_zero.checkpoint.deepspeed_in` (``reader.read_full_content``)."""
+    :mod:`~lightning_zero.checkpoint.formats.deepspeed_in` (``reader.read_full_content``)."""
     _version_dir_checked: bool = False
 
     @property

@@ -13,11 +13,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero._collectives import group_device
-from lightning_zero.checkpoint import file_io, integrity, storage
-from lightning_zero.checkpoint.storage import Location
-from lightning_zero.checkpoint.team import peer_lost
-from lightning_zero.checkpoint.tree import FlatShard, map_with_path, walk
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
+from lightning_zero.checkpoint.runtime.team import peer_lost
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store.storage import Location
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,

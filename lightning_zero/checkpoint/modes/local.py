@@ -4,7 +4,7 @@ group size, with hybrid sharding).
 
 Layout: ``<version dir>/rank{r:05d}-of-{world:05d}.pt``, a ``torch.save`` of the tree with each
 :class:`FlatShard` encoded as a plain dict (``weights_only`` loads accept it), plus the integrity
-header (:mod:`~lightning_zero.checkpoint.integrity`).
+header (:mod:`~lightning_zero.checkpoint.formats.integrity`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import file_io, integrity
+from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
 from lightning_zero.checkpoint.modes import OpenedCheckpoint
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.team import Team, world
-from lightning_zero.checkpoint.tree import FlatShard, map_leaves, map_with_path, walk
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.runtime.team import Team, world
+from lightning_zero.checkpoint.store import file_io
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def encode_shards(state: Any) -> Any:

@@ -3,7 +3,7 @@ with a ``.metadata`` index; a load at any world size reads the regions it needs.
 ``objects.pt`` (the non-tensor leaves, the save id and the full shape of every tensor).
 
 The DCP adapter itself (flat chunks, planners, plan cache, parallel and verifying readers) is in
-:mod:`~lightning_zero.checkpoint.dcp_adapter` and :mod:`~lightning_zero.checkpoint.integrity`.
+:mod:`~lightning_zero.checkpoint.dcp.dcp_adapter` and :mod:`~lightning_zero.checkpoint.formats.integrity`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint import dcp_storage, file_io, integrity, storage
-from lightning_zero.checkpoint.dcp_adapter import (
+from lightning_zero.checkpoint.dcp import dcp_storage
+from lightning_zero.checkpoint.dcp.dcp_adapter import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,
@@ -29,10 +29,8 @@ from lightning_zero.checkpoint.dcp_adapter import (
     read_threads,
     tree_signature,
 )
-from lightning_zero.checkpoint.modes import OpenedCheckpoint
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
-from lightning_zero.checkpoint.team import Team, ranks_on_this_node
-from lightning_zero.checkpoint.tree import (
+from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.formats.tree import (
     FlatShard,
     check_same_keys,
     is_tensor_leaf,
@@ -41,7 +39,11 @@ from lightning_zero.checkpoint.tree import (
     tensor_leaves,
     walk,
 )
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.modes import OpenedCheckpoint
+from lightning_zero.checkpoint.runtime.team import Team, ranks_on_this_node
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def save_signature(state: Any) -> int:

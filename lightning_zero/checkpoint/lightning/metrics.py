@@ -16,8 +16,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.scheduler import checkpointer
-from lightning_zero.checkpoint.stats import METRIC_PREFIX, SaveStats
+from lightning_zero.checkpoint.runtime.scheduler import checkpointer
+from lightning_zero.checkpoint.runtime.stats import METRIC_PREFIX, SaveStats
 
 __all__ = ["METRIC_PREFIX", "CheckpointMetrics", "SaveStats"]
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import storage
-from lightning_zero.checkpoint.named_state import read_named, refuse_existing
+from lightning_zero.checkpoint.interop.named_state import read_named, refuse_existing
+from lightning_zero.checkpoint.store import storage
 
 LIGHTNING_STATE = "lightning_state.pt"
 """The file beside the DCP checkpoint with Lightning's state: ``epoch``, ``global_step``, ``loops``,

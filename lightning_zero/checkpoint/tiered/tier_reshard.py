@@ -41,11 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.checkpoint import file_io, integrity, replication, storage
+from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
 from lightning_zero.checkpoint.modes import local
-from lightning_zero.checkpoint.team import Team, all_gather_objects, peer_lost
-from lightning_zero.checkpoint.tiers import TIER_KEY
-from lightning_zero.checkpoint.tree import FlatShard, map_leaves, map_with_path, walk
+from lightning_zero.checkpoint.runtime.team import Team, all_gather_objects, peer_lost
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.tiered import replication
+from lightning_zero.checkpoint.tiered.tiers import TIER_KEY
 from lightning_zero.sharding import EvenShard
 
 _TAG_STRIDE = 1 << 16

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 # <linux/fs.h>
 _SYNC_FILE_RANGE_WAIT_BEFORE = 1  # wait for writeback already under way in the range

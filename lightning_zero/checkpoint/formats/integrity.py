@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.tree import refuse_other_shape, walk
+from lightning_zero.checkpoint.formats.tree import refuse_other_shape, walk
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 
 _CHECKSUMS = True
 """Off only in ``bench/checkpoint.py --integrity``, to measure what the checksums cost."""

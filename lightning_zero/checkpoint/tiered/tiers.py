@@ -34,12 +34,13 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zero.checkpoint import file_io, replication, storage, tier_spares
+from lightning_zero.checkpoint.formats.tree import shard_group_size_of
 from lightning_zero.checkpoint.modes import local
-from lightning_zero.checkpoint.scheduler import CheckpointSaveError
-from lightning_zero.checkpoint.storage import Location
-from lightning_zero.checkpoint.team import all_gather_objects
-from lightning_zero.checkpoint.tree import shard_group_size_of
+from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError
+from lightning_zero.checkpoint.runtime.team import all_gather_objects
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store.storage import Location
+from lightning_zero.checkpoint.tiered import replication, tier_spares
 
 TIER_KEY = "tier"
 """The marker field of a local-tier checkpoint (see [Note: tier layout])."""

@@ -11,11 +11,11 @@ Runs in one CPU process with no process group, reading local paths and ``s3://``
 * a DeepSpeed ZeRO-1/2 checkpoint folder (``--from deepspeed``) becomes the same ``full`` Lightning file:
   its weights, fp32 masters, Adam moments and steps per parameter, param groups, and the client state Lightning's
   DeepSpeedStrategy saved (loops, callbacks, schedulers), read without DeepSpeed
-  (:mod:`~lightning_zero.checkpoint.deepspeed_in`);
+  (:mod:`~lightning_zero.checkpoint.formats.deepspeed_in`);
 * ``to="dcp"``: a torch DCP folder in FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` layout,
-  Lightning's state beside it (:mod:`~lightning_zero.checkpoint.dcp_out`);
+  Lightning's state beside it (:mod:`~lightning_zero.checkpoint.interop.dcp_out`);
 * ``to="deepspeed"``: the ZeRO-1/2 folder Lightning's DeepSpeedStrategy resumes with its optimizer state, for a
-  DeepSpeed world size of the caller's (:mod:`~lightning_zero.checkpoint.deepspeed_out`);
+  DeepSpeed world size of the caller's (:mod:`~lightning_zero.checkpoint.interop.deepspeed_out`);
 * ``to="hf"``: a ``save_pretrained`` folder (``config.json``, ``model.safetensors``, sharded with an
   index above ``max_shard_size``, tied weights stored once) for a module that holds a
   ``transformers`` model; the checkpoint records that model's class and config when it is saved.
@@ -29,10 +29,11 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_zero.checkpoint import deepspeed_files, file_io, storage
-from lightning_zero.checkpoint.dcp_out import to_dcp
-from lightning_zero.checkpoint.deepspeed_out import to_deepspeed
+from lightning_zero.checkpoint.formats import deepspeed_files
+from lightning_zero.checkpoint.interop.dcp_out import to_dcp
+from lightning_zero.checkpoint.interop.deepspeed_out import to_deepspeed
 from lightning_zero.checkpoint.reader import META_KEY, read_lightning_checkpoint, to_fabric_layout
+from lightning_zero.checkpoint.store import file_io, storage
 
 
 def convert(src: str, dst: str, *, to: Literal["lightning", "hf", "dcp", "deepspeed"] = "lightning",

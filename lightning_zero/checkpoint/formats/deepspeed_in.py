@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import deepspeed_files
-from lightning_zero.checkpoint.deepspeed_files import (
+from lightning_zero.checkpoint.formats import deepspeed_files
+from lightning_zero.checkpoint.formats.deepspeed_files import (
     DeepSpeedFolder,
     DynamicLossScaler,
     StaticLossScaler,
     ZeroStage,
 )
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
 
 ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 """The optimizer state carried over: torch's Adam/AdamW (and DeepSpeed's FusedAdam/CPUAdam, which keep the

@@ -11,15 +11,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import saver, tier_recovery, tier_spares
+from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.modes import Mode, validate_mode
-from lightning_zero.checkpoint.scheduler import CheckpointSaveError, checkpointer
-from lightning_zero.checkpoint.stats import SaveStats, TierLoad
-from lightning_zero.checkpoint.team import set_up_coordination
-from lightning_zero.checkpoint.tier_recovery import TierChoice
-from lightning_zero.checkpoint.tiers import LocalTier, TierRuntime, TierSave
+from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
+from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad
+from lightning_zero.checkpoint.runtime.team import set_up_coordination
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.tiered import tier_recovery, tier_spares
+from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
+from lightning_zero.checkpoint.tiered.tiers import LocalTier, TierRuntime, TierSave
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 class ZeroCheckpointIO(CheckpointIO):
@@ -40,7 +41,7 @@ class ZeroCheckpointIO(CheckpointIO):
             storage in ``local`` form and replicated to other nodes; only every ``persist_every``-th save
             (and the newest one at the end of fit) goes on to the ModelCheckpoint path in ``mode``, from
             the same staged copy. ``ckpt_path="last"`` then loads the newest complete checkpoint of either
-            tier ([Note: tier layout] in checkpoint/tiers.py).
+            tier ([Note: tier layout] in checkpoint/tiered/tiers.py).
         persist_every: with ``local_tier``: how often a save also goes to the durable path (1: every save).
     """
 
@@ -158,7 +159,7 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def resolve_last(self, shard_group_size: int | None = None) -> TierChoice | None:
         """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
-        resume reads: see :func:`~lightning_zero.checkpoint.tier_recovery.resolve_last`. None otherwise.
+        resume reads: see :func:`~lightning_zero.checkpoint.tiered.tier_recovery.resolve_last`. None otherwise.
         ``shard_group_size``: the resuming strategy's (None: the whole world)."""
         durable, self.tiered_last = self.tiered_last, None
         if durable is None or self.local_tier is None:

@@ -27,10 +27,11 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_zero.checkpoint import file_io, replication, storage, tier_reshard
 from lightning_zero.checkpoint.modes import local
-from lightning_zero.checkpoint.team import all_gather_objects, make_team, set_up_coordination
-from lightning_zero.checkpoint.tiers import TIER_KEY, LocalTier, order_key, tier_markers
+from lightning_zero.checkpoint.runtime.team import all_gather_objects, make_team, set_up_coordination
+from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.tiered import replication, tier_reshard
+from lightning_zero.checkpoint.tiered.tiers import TIER_KEY, LocalTier, order_key, tier_markers
 
 
 class NothingToResume(storage.CheckpointNotFoundError):

@@ -4,7 +4,7 @@
 resumes it with its optimizer state.
 
 One CPU process, no process group, no DeepSpeed: the files follow DeepSpeed 0.19.8's layout
-(:data:`DEEPSPEED_VERSION`), as :mod:`~lightning_zero.checkpoint.deepspeed_in` reads it ([Note: DeepSpeed's
+(:data:`DEEPSPEED_VERSION`), as :mod:`~lightning_zero.checkpoint.formats.deepspeed_in` reads it ([Note: DeepSpeed's
 partitions] there)::
 
     DST/latest                                               the tag, "checkpoint"
@@ -35,11 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import deepspeed_files, storage
-from lightning_zero.checkpoint.deepspeed_files import FragmentAddress, ZeroStage
-from lightning_zero.checkpoint.deepspeed_in import ADAM_STATE
-from lightning_zero.checkpoint.named_state import NamedCheckpoint, read_named, refuse_existing
+from lightning_zero.checkpoint.formats import deepspeed_files
+from lightning_zero.checkpoint.formats.deepspeed_files import FragmentAddress, ZeroStage
+from lightning_zero.checkpoint.formats.deepspeed_in import ADAM_STATE
+from lightning_zero.checkpoint.interop.named_state import NamedCheckpoint, read_named, refuse_existing
 from lightning_zero.checkpoint.reader import META_KEY
+from lightning_zero.checkpoint.store import storage
 
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed version whose files these are (its ``ds_version``; its loader checks it for ZeRO-1)."""

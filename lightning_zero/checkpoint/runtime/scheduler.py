@@ -4,7 +4,7 @@ while there is work queued ([Note: a worker that ends with its work]).
 
 A save's error is raised on the training thread at the next finalize (the next save, a load,
 teardown), once. Removals and links queued behind a save run only if it committed. The staging
-copies are made here too (:class:`~lightning_zero.checkpoint.staging.Stager`).
+copies are made here too (:class:`~lightning_zero.checkpoint.runtime.staging.Stager`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zero.checkpoint import storage
-from lightning_zero.checkpoint.staging import Stager
-from lightning_zero.checkpoint.stats import SaveStats
-from lightning_zero.checkpoint.storage import Location
+from lightning_zero.checkpoint.runtime.staging import Stager
+from lightning_zero.checkpoint.runtime.stats import SaveStats
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import Location
 
 log = logging.getLogger(__name__)
 

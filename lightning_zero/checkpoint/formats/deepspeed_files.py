@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import storage
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, CheckpointNotFoundError, Location
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, CheckpointNotFoundError, Location
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 LATEST = "latest"

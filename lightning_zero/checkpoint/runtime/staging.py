@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.tree import FlatShard, map_with_path, walk
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 
 
 def ready_event(tree: Any) -> tuple[torch.cuda.Event, torch.device] | None:

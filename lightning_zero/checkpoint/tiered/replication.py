@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.checkpoint import storage
+from lightning_zero.checkpoint.store import storage
 
 Place = tuple[str, str, int, int]  # host, tier directory, node rank, local rank
 

@@ -1,6 +1,6 @@
 """DCP's storage writers and readers for a checkpoint location: DCP's file system ones on a local disk
 (fsynced, with early writeback), its fsspec ones on object stores, both wrapped with this package's
-checksums and parallel reads. With :mod:`~lightning_zero.checkpoint.storage`, a place that tells
+checksums and parallel reads. With :mod:`~lightning_zero.checkpoint.store.storage`, a place that tells
 local from remote paths, so that the modes never do."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import dcp_integrity, writeback
-from lightning_zero.checkpoint.dcp_adapter import parallel_reads
-from lightning_zero.checkpoint.storage import Location
-from lightning_zero.checkpoint.tuning import CheckpointTuning
+from lightning_zero.checkpoint.dcp import dcp_integrity
+from lightning_zero.checkpoint.dcp.dcp_adapter import parallel_reads
+from lightning_zero.checkpoint.store import writeback
+from lightning_zero.checkpoint.store.storage import Location
+from lightning_zero.checkpoint.store.tuning import CheckpointTuning
 
 
 def writer(loc: Location, version_dir: str, save_id: str, tuning: CheckpointTuning) -> Any:

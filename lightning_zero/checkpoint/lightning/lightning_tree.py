@@ -33,7 +33,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_zero._compat import persistent_buffers
-from lightning_zero.checkpoint import engine_tree, saver, storage
+from lightning_zero.checkpoint import engine_tree, saver
+from lightning_zero.checkpoint.formats.tree import check_same_keys, snapshot, tensor_paths
 from lightning_zero.checkpoint.modes import full
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import (
@@ -42,8 +43,9 @@ from lightning_zero.checkpoint.reader import (
     read_full_content,
     read_opened,
 )
-from lightning_zero.checkpoint.storage import CheckpointCorruptError
-from lightning_zero.checkpoint.team import checked_on_every_rank, make_team
+from lightning_zero.checkpoint.runtime.team import checked_on_every_rank, make_team
+from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.trainer_state import (
     MARKER_FIELDS,
     TREE_TAG,
@@ -51,7 +53,6 @@ from lightning_zero.checkpoint.trainer_state import (
     read_trainer_state,
     trainer_state_blob,
 )
-from lightning_zero.checkpoint.tree import check_same_keys, snapshot, tensor_paths
 from lightning_zero.engine import ZeroEngine
 
 # ---- save ---------------------------------------------------------------------------------

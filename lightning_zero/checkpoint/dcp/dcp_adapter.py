@@ -1,6 +1,6 @@
 """How a flat shard is handed to ``torch.distributed.checkpoint`` (DCP) in ``sharded`` mode.
 
-[Note: flat chunks for DCP] A :class:`~lightning_zero.checkpoint.tree.FlatShard` is the local
+[Note: flat chunks for DCP] A :class:`~lightning_zero.checkpoint.formats.tree.FlatShard` is the local
 part of a 1-D tensor with ``Shard(0)`` placement: elements ``[start, start + len)`` of the
 flattened parameter, ``start`` fixed by the even split. DCP stores such a chunk by its global
 offset and size, and any world size reads back the ranges it needs.
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint.tree import FlatShard
+from lightning_zero.checkpoint.formats.tree import FlatShard
 
 
 class FlatChunk:

@@ -3,7 +3,7 @@ storage (fsynced locally; one multipart upload remotely), ``torch.load`` with ``
 memory map or a stream, the probe that finds an unwritable path before a save writes anything, and
 the checks that a committed checkpoint's version directory exists.
 
-With :mod:`~lightning_zero.checkpoint.storage`, the only place that tells local from remote paths.
+With :mod:`~lightning_zero.checkpoint.store.storage`, the only place that tells local from remote paths.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import storage, writeback
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location, version_dir_of
-from lightning_zero.checkpoint.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.checkpoint.store import storage, writeback
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location, version_dir_of
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def preflight(loc: Location, mode: str, rank: int) -> str | None:
@@ -78,7 +78,7 @@ def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning =
 def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
                progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None) -> None:
     """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`). Local disks:
-    ``progress`` is told how far the bytes are in the kernel (:class:`~lightning_zero.checkpoint.writeback.
+    ``progress`` is told how far the bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.
     WritebackStream`); ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after
     ([Note: spare tier files] in tier_spares.py)."""
     if loc.is_local:

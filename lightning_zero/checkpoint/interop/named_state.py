@@ -1,5 +1,5 @@
 """Any checkpoint this package reads, whole and keyed by parameter name: what the writers of another system's
-layout start from (:mod:`~lightning_zero.checkpoint.dcp_out`, :mod:`~lightning_zero.checkpoint.deepspeed_out`).
+layout start from (:mod:`~lightning_zero.checkpoint.interop.dcp_out`, :mod:`~lightning_zero.checkpoint.interop.deepspeed_out`).
 
 One CPU process, no process group; the source is read once (``full`` files and DeepSpeed folders through
 :func:`~lightning_zero.checkpoint.reader.read_opened`, ``local`` and ``sharded`` checkpoints as their whole tree).
@@ -12,7 +12,6 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.checkpoint import storage
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import (
     MASTERS_KEY,
@@ -22,6 +21,7 @@ from lightning_zero.checkpoint.reader import (
     read_zero_tree,
     to_lightning,
 )
+from lightning_zero.checkpoint.store import storage
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _named_optimizer(content: dict[str, Any], src: str) -> dict[str, Any] | None
     An index is the parameter's place in its optimizer's groups; the names come from the groups' ``param_names``
     (an optimizer built from ``named_parameters()`` records them) or the meta's
     :data:`~lightning_zero.checkpoint.reader.OPTIMIZER_NAMES` (a DeepSpeed folder, and the file converted from
-    one, in :func:`~lightning_zero.checkpoint.deepspeed_in.optimizer_order`). A file that names neither is refused."""
+    one, in :func:`~lightning_zero.checkpoint.formats.deepspeed_in.optimizer_order`). A file that names neither is refused."""
     states = content.get("optimizer_states") or []
     if not states:
         return None

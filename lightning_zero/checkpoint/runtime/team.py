@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from lightning_zero._collectives import new_group, process_group_timeout
-from lightning_zero.checkpoint.storage import CheckpointCorruptError, Location
+from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """``fabric.save``'s ``state`` <-> the tree a save writes ([Note: Fabric's layout]); the Fabric front end's
-mapping, as :mod:`~lightning_zero.checkpoint.lightning_tree` is the Trainer's. Reading it back is
+mapping, as :mod:`~lightning_zero.checkpoint.lightning.lightning_tree` is the Trainer's. Reading it back is
 :func:`~lightning_zero.checkpoint.reader.from_fabric_layout` / :func:`~lightning_zero.checkpoint.reader.to_fabric_layout`.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint import engine_tree
-from lightning_zero.checkpoint.lightning_tree import build_tree
+from lightning_zero.checkpoint.lightning.lightning_tree import build_tree
 from lightning_zero.checkpoint.reader import FABRIC_KEYS
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 from lightning_zero.engine import ZeroEngine
