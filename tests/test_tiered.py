@@ -5,6 +5,7 @@ and ``ckpt_path="last"`` choosing the tier. Multi-node faults are in tests/fault
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -170,3 +171,36 @@ def test_persist_every_counts_checkpointed_steps_with_save_last(tmp_path):
     assert torch.load(tmp_path / "durable" / "last.ckpt", weights_only=True)["global_step"] == 4  # the marker
     local = [os.path.basename(p) for p, _ in tier_markers(str(tmp_path / "local" / "node0"))]
     assert "last.ckpt" in local  # every save is on the local tier
+
+
+def test_a_slow_worker_across_persistence_and_teardown_loses_nothing_and_persists_nothing_twice(tmp_path,
+                                                                                                 monkeypatch):
+    # Every durable write held back: saves 2 and 4 persist while training goes on, and save 5, local only, is
+    # still on the worker when fit ends; the end of fit must wait for it and persist it, once.
+    from lightning_zero.checkpoint import saver
+
+    written: list[str] = []
+    original = saver._SaveJob.write
+
+    def slow_write(job):
+        time.sleep(0.3)
+        written.append(os.path.basename(job.loc.url.rstrip("/")))
+        return original(job)
+
+    monkeypatch.setattr(saver._SaveJob, "write", slow_write)
+    original_run_tier = saver._SaveJob._run_tier
+
+    def slow_tier(job, *args):
+        time.sleep(0.2)  # the local phases too: the last save is in flight at teardown
+        return original_run_tier(job, *args)
+
+    monkeypatch.setattr(saver._SaveJob, "_run_tier", slow_tier)
+    trainer = _trainer(tmp_path, steps=5, persist_every=2, keep=2)
+    trainer.fit(NetModule(), loader(5, 1, 1))
+    durable = [f"epoch=0-step={s}.ckpt" for s in (2, 4, 5)]
+    assert sorted(written) == sorted(durable) and len(written) == len(set(written))  # each once
+    assert sorted(p for p in os.listdir(tmp_path / "durable") if p.endswith(".ckpt")) == durable
+    for name in durable:
+        assert torch.load(tmp_path / "durable" / name, weights_only=True)["global_step"] == int(name[-6])
+    local = sorted(os.path.basename(p) for p, _ in tier_markers(str(tmp_path / "local" / "node0")))
+    assert local == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt"]  # keep=2

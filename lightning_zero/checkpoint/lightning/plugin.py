@@ -100,8 +100,7 @@ class ZeroCheckpointIO(CheckpointIO):
         tier = None
         if self.local_tier is not None and self._tiers is not None:
             url = os.fspath(path)
-            if url in self._tiers.deferred:
-                self._tiers.deferred.remove(url)  # saved again: its deferred removal would delete the new one
+            self._tiers.cancel_removal(url)
             step = fields.get("global_step") if isinstance(fields.get("global_step"), int) else None
             tier = TierSave(self.local_tier, self.local_tier.root(self._node_rank, self._local_rank),
                             os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(step), self._node_rank,
@@ -125,7 +124,7 @@ class ZeroCheckpointIO(CheckpointIO):
         """(one rank) Removal waits until the save in flight has committed, and is dropped if it fails. With a
         local tier, until a newer save has committed on the durable path (most saves never reach it)."""
         if self._tiers is not None:
-            self._tiers.deferred.append(os.fspath(path))
+            self._tiers.defer_removal(os.fspath(path))
             self._claimed.discard(_claim_key(path))
             return
         saver.remove(os.fspath(path), self.storage_options)

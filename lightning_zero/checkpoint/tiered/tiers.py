@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import string
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -99,16 +100,30 @@ class Unpersisted:
 
 class TierRuntime:
     """What a plugin's tiered saves share across saves: the save count, the newest durable checkpoint, the
-    durable removals deferred until a newer one commits, and the newest save not yet persisted."""
+    durable removals deferred until a newer one commits, and the newest save not yet persisted.
+
+    Threads: ``saves``, the step counted and ``newest_submitted`` are the training thread's alone (written
+    and read there). ``deferred`` and ``unpersisted`` are written on both threads (the plugin on the
+    training thread; ``TierSave`` on the worker, as a save stages, fails to persist or commits), so they are
+    read and written only through the methods below, under ``_lock``; a removal itself runs outside it."""
 
     def __init__(self, persist_every: int) -> None:
         self.persist_every = persist_every
         self.saves = 0
         self._counted_step: int | None = None
         self._persists = False
-        self.deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
-        self.unpersisted: Unpersisted | None = None
         self.newest_submitted: tuple[str, bool] | None = None  # (durable path, persisted) of the newest save
+        self._lock = threading.Lock()
+        self._deferred: list[str] = []  # rank 0: durable paths to remove once a newer one commits
+        self._unpersisted: Unpersisted | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with the plugin for spawned ranks: the lock is made anew there."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def persisted(self, url: str) -> bool:
         """Whether the newest save was to ``url`` and goes to the durable path (``save_last="link"``)."""
@@ -125,15 +140,39 @@ class TierRuntime:
         self._persists = self.saves % self.persist_every == 0
         return self._persists
 
+    def defer_removal(self, url: str) -> None:
+        """(training thread) Remove durable ``url`` once a newer checkpoint commits on the durable path."""
+        with self._lock:
+            self._deferred.append(url)
+
+    def cancel_removal(self, url: str) -> None:
+        """(training thread) ``url`` is saved again: its deferred removal would delete the new one."""
+        with self._lock:
+            if url in self._deferred:
+                self._deferred.remove(url)
+
+    def deferred(self) -> list[str]:
+        """The removals waiting (a copy)."""
+        with self._lock:
+            return list(self._deferred)
+
+    def set_unpersisted(self, kept: Unpersisted | None) -> None:
+        """(worker thread) The newest save reached the local tier only (None: it superseded the one kept)."""
+        with self._lock:
+            self._unpersisted = kept
+
     def take_unpersisted(self) -> Unpersisted | None:
-        kept, self.unpersisted = self.unpersisted, None
+        """(training thread) The kept save, now the caller's to persist; none is kept after."""
+        with self._lock:
+            kept, self._unpersisted = self._unpersisted, None
         return kept
 
     def durable_committed(self, url: str, remove: Callable[[str], None]) -> None:
         """A checkpoint committed on the durable path: nothing older waits to be persisted, and the durable
         removals deferred until then go now (``remove``; only rank 0 has any: Lightning removes on rank 0)."""
-        self.unpersisted = None
-        pending, self.deferred = self.deferred, []
+        with self._lock:
+            self._unpersisted = None
+            pending, self._deferred = self._deferred, []
         for old in pending:
             if old.rstrip("/") != url.rstrip("/"):  # one saved again since is the newest now
                 remove(old)
@@ -166,11 +205,11 @@ class TierSave:
     def before_staging(self) -> None:
         """(worker thread, before this save stages) The previous save's kept copy is superseded."""
         if self.runtime is not None:
-            self.runtime.unpersisted = None
+            self.runtime.set_unpersisted(None)
 
     def keep_unpersisted(self, state: Any) -> None:
         if self.runtime is not None:
-            self.runtime.unpersisted = Unpersisted(state, self.durable_url, self.marker_fields)
+            self.runtime.set_unpersisted(Unpersisted(state, self.durable_url, self.marker_fields))
 
     def durable_failed(self, error: BaseException, rank: int, state: Any) -> None:
         """The durable write failed (every rank alike): the save stays committed on the local tier; reported
