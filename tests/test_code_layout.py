@@ -121,8 +121,8 @@ LAYERS: dict[str, set[str]] = {
     "dcp": {"store", "formats"},
     "runtime": {"store", "formats"},
     "modes": {"store", "formats", "dcp", "runtime"},
-    "verbs": {"store", "formats", "dcp", "runtime", "modes"},
     "tiered": {"store", "formats", "runtime", "modes"},
+    "verbs": {"store", "formats", "dcp", "runtime", "modes", "tiered"},
     "interop": {"store", "formats", "verbs"},
     "lightning": {"store", "formats", "dcp", "runtime", "modes", "verbs", "tiered"},
 }

@@ -6,10 +6,10 @@ The package by concern, each layer importing only the ones before it (tests/test
 * ``formats/``: what they mean (the ZeRO tree, CRCs, DeepSpeed's files);
 * ``dcp/``, ``runtime/``: torch DCP for ``sharded``; the worker thread, staging, coordination, figures;
 * ``modes/``: each mode's writes and reads;
+* ``tiered/``: the local tier, its replicas, recovery and reshard;
 * the verbs at this level: ``saver`` (when and how a save runs, and the load dispatch), ``opening`` (what a
   path holds), ``reader`` (any checkpoint read whole), ``engine_tree`` (the engine's state as a tree),
   ``trainer_state`` (Lightning's non-tensor state, weights-only);
-* ``tiered/``: the local tier, its replicas, recovery and reshard;
 * ``lightning/``, ``interop/``: the front ends (the Lightning plugin, the Trainer's and Fabric's mappings,
   metrics) and the writers of other systems' layouts.
 

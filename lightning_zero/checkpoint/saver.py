@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -60,6 +60,9 @@ from lightning_zero.checkpoint.store import file_io, storage
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
+if TYPE_CHECKING:  # the local tier's save, built by the plugin (tiered/ sits below the verbs)
+    from lightning_zero.checkpoint.tiered.tiers import TierSave
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +86,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
                storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
                process_group: Any = None, coordinator_rank: int | None = None,
-               tuning: CheckpointTuning | None = None, tier: Any = None) -> None:
+               tuning: CheckpointTuning | None = None, tier: TierSave | None = None) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
@@ -213,7 +216,7 @@ class _SaveJob:
     save_id: str = ""
     signatures: list[Any] = field(default_factory=list)
     planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
-    tier: Any = None  # tiers.TierSave: the local tier's phases run first ([Note: tier layout] in tiers.py)
+    tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
 
     def run(self, staged: threading.Event) -> None:
         try:

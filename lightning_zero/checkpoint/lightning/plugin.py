@@ -102,9 +102,10 @@ class ZeroCheckpointIO(CheckpointIO):
             url = os.fspath(path)
             self._tiers.cancel_removal(url)
             step = fields.get("global_step") if isinstance(fields.get("global_step"), int) else None
-            tier = TierSave(self.local_tier, self.local_tier.root(self._node_rank, self._local_rank),
-                            os.path.basename(url.rstrip("/")), url, self._tiers.next_persists(step), self._node_rank,
-                            self._local_rank, step, dict(fields),
+            tier = TierSave(tier=self.local_tier, root=self.local_tier.root(self._node_rank, self._local_rank),
+                            name=os.path.basename(url.rstrip("/")), durable_url=url,
+                            persist=self._tiers.next_persists(step), node_rank=self._node_rank,
+                            local_rank=self._local_rank, step=step, marker_fields=dict(fields),
                             runtime=self._tiers, storage_options=options)
             self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
