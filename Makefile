@@ -43,6 +43,7 @@ bench: install
 	$(PY) bench/checkpoint.py
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/write_loop.py
+	$(PY) bench/recovery.py
 
 # DeepSpeed ZeRO-1/2 as rows of bench/engine.py, on its CPU accelerator with no prebuilt ops. Installed
 # into a folder of its own (not the venv, not the test extras), with the few pure-Python packages it
