@@ -6,7 +6,8 @@ Usage: NODE_RANK=<n> MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> python elastic_nod
 
 CKPT: "last", a checkpoint path, or "-" (start fresh). Saves every step (LOCAL_PATTERN with {node_rank} is a
 node's local tier). CRASH=1 leaves like a node that dies after its last save committed (before fit's end
-persists it). ELASTIC_KILL=<replication>:<n> kills this node in the n-th save's replication.
+persists it). ELASTIC_KILL=<replication|persist>:<n> kills this node in the n-th save's replication or durable write
+(tiered_node.py's).
 ELASTIC_SHARD_GROUP=<n>: hybrid sharding. Every rank writes its engine state as the fit starts (after the
 resume) to OUT.rank<r>.start; rank 0 writes the losses, the parameters and the recovery's figures to OUT.
 """
@@ -23,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, os.path.dirname(__file__))
 
 from lightning_cases import NetModule, loader  # noqa: E402
+from tiered_node import CrashAfterLastSave, _kill_in  # noqa: E402
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy  # noqa: E402
 from lightning_zero.checkpoint.engine_tree import zero_state_dict  # noqa: E402
@@ -58,42 +60,17 @@ class StartState(Callback):
         torch.save(state, f"{self.out}.rank{trainer.global_rank}.start")
 
 
-class CrashAfterLastSave(Callback):
-    def __init__(self, out: str) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: Trainer, pl_module: NetModule) -> None:
-        trainer.strategy.checkpoint_io.finalize()  # the last save committed (locally, replicated)
-        _record(trainer, pl_module, self.out)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _kill_in_replication(nth: int) -> None:
-    from lightning_zero.checkpoint.tiered import replication
-
-    original, calls = replication.Replicating.join, []
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == nth:
-            os._exit(17)
-        return original(*args, **kwargs)
-
-    replication.Replicating.join = dying
-
-
 if __name__ == "__main__":
     if os.environ.get("ELASTIC_KILL"):
-        _kill_in_replication(int(os.environ["ELASTIC_KILL"].split(":")[1]))
+        where, nth = os.environ["ELASTIC_KILL"].split(":")
+        _kill_in(where, int(nth))
     out, durable, pattern, nodes, devices, steps, persist_every, ckpt, crash = sys.argv[1:10]
     module = NetModule(scheduler=True)
     io = ZeroCheckpointIO(mode="sharded", local_tier=LocalTier(pattern, replicas=1, keep=2),
                           persist_every=int(persist_every))
     callbacks: list[Callback] = [StartState(out), ModelCheckpoint(dirpath=durable, every_n_train_steps=1, save_top_k=-1)]
     if crash == "1":
-        callbacks.append(CrashAfterLastSave(out))
+        callbacks.append(CrashAfterLastSave(out, record=_record))
     group = os.environ.get("ELASTIC_SHARD_GROUP")
     trainer = Trainer(
         accelerator="cpu", devices=int(devices), num_nodes=int(nodes),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -35,12 +36,16 @@ def _record(trainer: Trainer, module: NetModule, out: str) -> None:
 
 
 class CrashAfterLastSave(Callback):
-    def __init__(self, out: str) -> None:
+    """Leave like a node that dies after its last save committed, ``record`` having written what the test reads
+    (tests/elastic_node.py passes its own)."""
+
+    def __init__(self, out: str, record: Callable[[Trainer, NetModule, str], None] | None = None) -> None:
         self.out = out
+        self.record = record or _record
 
     def on_train_end(self, trainer: Trainer, pl_module: NetModule) -> None:
         trainer.strategy.checkpoint_io.finalize()  # the last save committed (locally, replicated)
-        _record(trainer, pl_module, self.out)
+        self.record(trainer, pl_module, self.out)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
