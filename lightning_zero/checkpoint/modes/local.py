@@ -108,16 +108,23 @@ def read_rank_file(opened: OpenedCheckpoint, rank: int, keep: bool = False) -> A
     if path in opened.read_ahead:
         return opened.read_ahead[path] if keep else opened.read_ahead.pop(path)
     opened.existing_version_dir()
-    content, found = integrity.split(file_io.torch_load(loc, path), path, loc.url, required="save_id" in marker)
-    if found is not None:
-        integrity.check_identity(found, path, loc.url, marker.get("save_id"), rank, marker["world_size"])
-        integrity.verify(content, found, path, loc.url)
-    decoded = decode_shards(content)
+    decoded = read_checked(loc, path, marker.get("save_id"), rank, marker["world_size"])
     if keep:
         opened.read_ahead.clear()  # at most one file held
         opened.read_ahead[path] = decoded
     return decoded
 
+
+
+def read_checked(loc: Location, path: str, save_id: str | None, rank: int, world_size: int) -> Any:
+    """The rank file at ``path``, checked to be rank ``rank`` of ``world_size`` of save ``save_id`` (None: a
+    file older than save ids, which may carry no header) and intact, with its shards as :class:`FlatShard`
+    leaves. Raises ``CheckpointCorruptError`` naming the file and what was wrong."""
+    content, found = integrity.split(file_io.torch_load(loc, path), path, loc.url, required=save_id is not None)
+    if found is not None:
+        integrity.check_identity(found, path, loc.url, save_id, rank, world_size)
+        integrity.verify(content, found, path, loc.url)
+    return decode_shards(content)
 
 
 def _is_encoded_shard(leaf: Any) -> bool:

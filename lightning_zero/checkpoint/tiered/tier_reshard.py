@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
 from lightning_zero.checkpoint.modes import local
 from lightning_zero.checkpoint.runtime.team import Team, all_gather_objects, peer_lost
@@ -165,13 +164,8 @@ class TierFiles:
     def file(self, old_rank: int) -> dict[str, Any]:
         """Old rank ``old_rank``'s file with its leaves by path, checked (raises CheckpointCorruptError)."""
         if old_rank not in self._files:
-            path = self.path(old_rank)
-            content, found = integrity.split(file_io.torch_load(self.loc, path), path, self.loc.url, required=True)
-            assert found is not None
-            integrity.check_identity(found, path, self.loc.url, self.entry["save_id"], old_rank,
-                                     int(self.entry["world_size"]))
-            integrity.verify(content, found, path, self.loc.url)
-            tree = local.decode_shards(content)
+            tree = local.read_checked(self.loc, self.path(old_rank), self.entry["save_id"], old_rank,
+                                      int(self.entry["world_size"]))
             self._files[old_rank] = {"tree": tree, "leaves": {"/".join(p): leaf for p, leaf in walk(tree)}}
         return self._files[old_rank]
 
