@@ -469,7 +469,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """A ``sharded`` checkpoint loaded through ``load`` and through the Trainer's resume
     (``load_zero_state_dict``), counting this rank's opens of ``.metadata`` for reading in each; then
     a load after rank 0 removed ``.metadata``. [Note: shared metadata]"""
-    from lightning_zero.checkpoint.lightning import lightning_tree
+    from lightning_zero.checkpoint import load_zero_state_dict
     from lightning_zero.checkpoint.store import writeback
 
     model, engine = build(rank, world_size)
@@ -486,7 +486,7 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
             if kind == "load":
                 load_into(fresh, fresh_model, path, saved["state"])
             else:
-                lightning_tree.load_zero_state_dict(fresh, fresh_model, path)
+                load_zero_state_dict(fresh, fresh_model, path)
             out[kind] = {"reads": len(opened), "loaded": gather_full_state(fresh)}
             fresh.close()
     # A save still in flight when a load starts: the load finalizes it first (its background
@@ -511,13 +511,13 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
         in_flight = gather_full_state(engine)
         engine.close()
         fresh_model, fresh = build(rank, world_size, perturb=1.0)
-        lightning_tree.load_zero_state_dict(fresh, fresh_model, path)
+        load_zero_state_dict(fresh, fresh_model, path)
     finally:
         writeback.WritebackFileSystem.create_stream = original  # type: ignore[method-assign]
     out["in_flight"] = {"loaded": gather_full_state(fresh), "saved": in_flight}
     fresh.close()
     fresh_model, fresh = build(rank, world_size, perturb=1.0)
-    lightning_tree.load_zero_state_dict(fresh, fresh_model, f"{root}/in-flight.ckpt")
+    load_zero_state_dict(fresh, fresh_model, f"{root}/in-flight.ckpt")
     out["in_flight"]["loaded_later"] = gather_full_state(fresh)
     fresh.close()
     # Only one rank cannot read .metadata: the coordinator (every rank fails with its error), or
@@ -538,12 +538,12 @@ def metadata_reads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def resume_outcome(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """A fresh engine resumed from ``path`` (``load_zero_state_dict``): the error (its text and notes)
     or the state loaded, and whether a failed load left the model's weights untouched."""
-    from lightning_zero.checkpoint.lightning import lightning_tree
+    from lightning_zero.checkpoint import load_zero_state_dict
 
     model, engine = build(rank, world_size, perturb=1.0)
     before = params(model)
     try:
-        lightning_tree.load_zero_state_dict(engine, model, path)
+        load_zero_state_dict(engine, model, path)
     except Exception as exc:  # noqa: BLE001 - the error under test
         outcome: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
     else:

@@ -267,13 +267,13 @@ def save_midway(rank: int, world_size: int, run: Run, root: str, modes: tuple[st
 
 def resume(rank: int, world_size: int, run: Run, path: str) -> dict[str, Any]:
     """A fresh engine (other initial weights) resumed from ``path``, then steps 2 and 3."""
-    from lightning_zero.checkpoint.lightning import lightning_tree
+    from lightning_zero.checkpoint import load_zero_state_dict
 
     model, engine = build(run, rank)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    lightning_tree.load_zero_state_dict(engine, model, path)
+    load_zero_state_dict(engine, model, path)
     train(model, engine, range(2, 4), rank, world_size)
     result = params(model)
     engine.close()
