@@ -36,6 +36,12 @@ from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
 from lightning_zero.checkpoint import CheckpointMetrics, ZeroCheckpointIO, engine_tree, wait_for_staging
 from lightning_zero.checkpoint.lightning import lightning_tree
+from lightning_zero.checkpoint.lightning.hook_weights import (
+    PendingWeights,
+    apply_pending_weights,
+    keep_own_values,
+)
+from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
 
@@ -131,7 +137,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
         self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
-        self._pending_weights: lightning_tree.PendingWeights | None = None
+        self._pending_weights: PendingWeights | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -471,73 +477,34 @@ class ZeroLowLevelStrategy(DDPStrategy):
         ``weights_only`` (``trainer.fit(..., weights_only=False)``): False unpickles any object the
         checkpoint's non-tensor state holds, for a file the caller trusts; None or True refuse them.
         """
-        path = os.fspath(checkpoint_path)
         io = self.checkpoint_io
-        options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
+        zero_io = io if isinstance(io, ZeroCheckpointIO) else None
         module = self.lightning_module
         assert module is not None
         trainer = module.trainer
         if trainer.state.fn == TrainerFn.FITTING and not self._engine_live and not self._set_up_early:
             self._set_up_model(trainer)  # [Note: restore before on_fit_start]
             self._set_up_early = True
-        engine = self._engine
-        strict = bool(getattr(module, "strict_loading", True))
-        may_lack = self._may_lack(module)
         # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
-        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/lightning_tree.py).
+        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/resume.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
-        pending: list[lightning_tree.PendingWeights] = []
-        # Lightning's argument (fit/validate/test/predict(..., weights_only=...)): None is torch's default, True.
-        trusted = weights_only is not None and not weights_only
-
-        def load_one(candidate: str) -> dict[str, Any]:
-            self._loaded_by_strategy = False
-            pending.clear()
-            if engine is None:
-                # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads the marker
-                # and a sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
-                return lightning_tree.load_weights(module, candidate, options, strict=strict, may_lack=may_lack,
-                                                 apply=not hook_first, shared=isinstance(io, ZeroCheckpointIO),
-                                                 weights_only=not trusted)
-            return lightning_tree.load_engine_state(engine, module, candidate, options, strict=strict,
-                                                      may_lack=may_lack, pending=pending if hook_first else None,
-                                                      weights_only=not trusted)
-
-        agree = lambda ok: self.reduce_boolean_decision(ok, all=True)  # noqa: E731
-        started = time.perf_counter()
-        choice = io.resolve_last(self.zero_config.shard_group_size) if isinstance(io, ZeroCheckpointIO) else None
-        if choice is not None and choice.tier == "local":
-            result = self._load_local_tier(choice, load_one, agree)
-        else:
-            path = choice.path if choice is not None else path
-            _, result = lightning_tree.load_with_fallback(path, options, load_one, agree, rank_zero_warn)
-        if choice is not None and isinstance(io, ZeroCheckpointIO):
-            io.record_load(choice, time.perf_counter() - started)
-        self._pending_weights = pending[0] if pending else None
-        if engine is not None and not pending:
-            lightning_tree.publish(engine, module)  # collectives only once every rank has loaded
+        resume = TrainerResume(
+            strategy=self, module=module, engine=self._engine,
+            options=zero_io.storage_options if zero_io is not None else {},
+            strict=bool(getattr(module, "strict_loading", True)), may_lack=self._may_lack(module),
+            hook_first=hook_first,
+            # With ZeroCheckpointIO (whose setup made the coordination group), rank 0 reads the marker
+            # and a sharded checkpoint's .metadata for every rank ([Note: shared metadata]).
+            shared=zero_io is not None,
+            # Lightning's argument (fit/validate/test/predict(..., weights_only=...)): None is torch's default, True.
+            trusted=weights_only is not None and not weights_only,
+        )
+        self._loaded_by_strategy = False
+        result = resume.run(os.fspath(checkpoint_path), zero_io, self.zero_config.shard_group_size)
+        self._pending_weights = resume.pending[0] if resume.pending else None
+        if self._engine is not None and not resume.pending:
+            publish(self._engine, module)  # collectives only once every rank has loaded
         self._loaded_by_strategy = not hook_first
-        return result
-
-    def _load_local_tier(self, choice: Any, load_one: Any, agree: Any) -> dict[str, Any]:
-        """A resume from the local tier (every rank its own node's path), or, if it fails on any rank, from
-        the durable tier with a warning."""
-        error: BaseException | None = None
-        result: dict[str, Any] = {}
-        try:
-            result = load_one(choice.path)
-        except Exception as exc:  # every rank reaches the agreement below
-            error = exc
-        if agree(error is None):
-            return result
-        if choice.durable is None:
-            raise error if error is not None else RuntimeError(
-                f"Loading the local-tier checkpoint {choice.path!r} failed on another rank; see its error.")
-        rank_zero_warn(f"Loading the local-tier checkpoint {choice.path!r} failed ({error or 'on another rank'});"
-                       f" resuming from the durable tier, {choice.durable!r}.")
-        io = self.checkpoint_io
-        options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
-        _, result = lightning_tree.load_with_fallback(choice.durable, options, load_one, agree, rank_zero_warn)
         return result
 
     def _may_lack(self, module: LightningModule) -> frozenset[str]:
@@ -555,12 +522,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         assert module is not None
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None and self._engine is not None:
-            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/lightning_tree.py).
-            lightning_tree.apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
+            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/resume.py).
+            apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
                                                self._may_lack(module))
-            lightning_tree.publish(self._engine, module)
+            publish(self._engine, module)
             return
-        lightning_tree.keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
+        keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override

@@ -120,3 +120,16 @@ def in_process_trainer_group() -> Iterator[None]:
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _checkpoint_state_reset() -> Iterator[None]:
+    """Every test starts from a fresh process-wide checkpoint state and leaves none behind
+    ([Note: process-wide checkpoint state]: the worker thread, the coordination group, DCP's plan caches).
+    Autouse and first in, so its teardown runs after the test's own fixtures (a process group the test
+    made is gone by then, and the reset only forgets its coordination group)."""
+    from lightning_zero.checkpoint.runtime import process
+
+    process.reset()
+    yield
+    process.reset()

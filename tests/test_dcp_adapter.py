@@ -201,7 +201,7 @@ def test_gc_paused_nests_across_threads_and_restores_what_it_found() -> None:
     import gc
     import threading
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import gc_paused
+    from lightning_zero.checkpoint.runtime.process import gc_paused
 
     assert gc.isenabled()
     inner_entered, outer_left = threading.Event(), threading.Event()
@@ -267,7 +267,7 @@ def test_a_process_forked_during_a_pause_starts_with_the_collector_as_it_was() -
     import gc
     import os
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import gc_paused
+    from lightning_zero.checkpoint.runtime.process import gc_paused
 
     read_end, write_end = os.pipe()
     with gc_paused():

@@ -7,11 +7,11 @@ The package by concern, each layer importing only the ones before it (tests/test
 * ``dcp/``, ``runtime/``: torch DCP for ``sharded``; the worker thread, staging, coordination, figures;
 * ``modes/``: each mode's writes and reads;
 * ``tiered/``: the local tier, its replicas, recovery and reshard;
-* the verbs at this level: ``saver`` (when and how a save runs, and the load dispatch), ``opening`` (what a
-  path holds), ``reader`` (any checkpoint read whole), ``engine_tree`` (the engine's state as a tree),
+* the verbs at this level: ``saver`` (when and how a save runs), ``loader`` (the load dispatch), ``opening``
+  (what a path holds), ``reader`` (any checkpoint read whole), ``engine_tree`` (the engine's state as a tree),
   ``trainer_state`` (Lightning's non-tensor state, weights-only);
 * ``lightning/``, ``interop/``: the front ends (the Lightning plugin, the Trainer's and Fabric's mappings,
-  metrics) and the writers of other systems' layouts.
+  the resume, metrics) and the writers of other systems' layouts.
 
 Users import from here; the names below are the public ones."""
 
@@ -21,9 +21,10 @@ from lightning_zero.checkpoint.formats.tree import FlatShard
 from lightning_zero.checkpoint.interop.convert import convert, save_pretrained
 from lightning_zero.checkpoint.interop.dcp_out import to_dcp
 from lightning_zero.checkpoint.interop.deepspeed_out import to_deepspeed
-from lightning_zero.checkpoint.lightning.lightning_tree import load_weights, load_zero_state_dict
 from lightning_zero.checkpoint.lightning.metrics import CheckpointMetrics, SaveStats
 from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+from lightning_zero.checkpoint.lightning.resume import load_weights, load_zero_state_dict
+from lightning_zero.checkpoint.loader import load, read_mode
 from lightning_zero.checkpoint.reader import read_lightning_checkpoint
 from lightning_zero.checkpoint.runtime.stats import TierLoad
 from lightning_zero.checkpoint.saver import (
@@ -31,9 +32,7 @@ from lightning_zero.checkpoint.saver import (
     async_save,
     last_save_stats,
     link,
-    load,
     maybe_finalize_async_calls,
-    read_mode,
     remove,
     remove_incomplete,
     save,

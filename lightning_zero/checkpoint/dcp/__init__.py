@@ -2,5 +2,5 @@
 (``dcp_adapter``), the CRCs DCP's files carry (``dcp_integrity``) and DCP's storage over fsspec with the
 package's own atomic publish (``dcp_storage``).
 
-May import: ``store``, ``formats``.
+May import: ``store``, ``formats``, ``runtime`` (the process's gc pause).
 """

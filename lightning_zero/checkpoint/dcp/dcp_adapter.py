@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import math
 import os
-import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,6 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint.formats.tree import FlatShard
+from lightning_zero.checkpoint.runtime.process import gc_paused
 
 
 class FlatChunk:
@@ -74,46 +72,6 @@ class FlatChunk:
         return f"FlatChunk(numel={self.numel}, offset={self.offset}, local={self.local.numel()})"
 
 
-_gc_lock = threading.Lock()
-_gc_pauses = 0
-_gc_was_enabled = False
-
-
-@contextmanager
-def gc_paused(enabled: bool = True) -> Iterator[None]:
-    """Python's cyclic garbage collector off while inside (any thread; nested and concurrent uses
-    nest); nothing when not ``enabled`` (``CheckpointTuning.pause_gc``). [Note: no collections while
-    planning]"""
-    global _gc_pauses, _gc_was_enabled
-    if not enabled:
-        yield
-        return
-    with _gc_lock:
-        if _gc_pauses == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-def _reset_gc_pause_after_fork() -> None:
-    """A process forked during a pause (a DataLoader worker while the background thread plans) has
-    no thread to end it: it starts with no pause and the collector as it was before."""
-    global _gc_lock, _gc_pauses
-    _gc_lock = threading.Lock()
-    if _gc_pauses:
-        _gc_pauses = 0
-        if _gc_was_enabled:
-            gc.enable()
-
-
-os.register_at_fork(after_in_child=_reset_gc_pause_after_fork)
 
 
 # [Note: no collections while planning]

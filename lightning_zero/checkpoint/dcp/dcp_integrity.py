@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint.dcp.dcp_adapter import gc_paused
 from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.runtime.process import gc_paused
 from lightning_zero.checkpoint.store import storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 

@@ -1,6 +1,8 @@
 """The front ends: Lightning's ``CheckpointIO`` plugin (``plugin``), the mapping between Lightning's
-checkpoint dict and the ZeRO tree and the resume that uses it (``lightning_tree``), the same for
-``fabric.save`` (``fabric_tree``), and the logged metrics of each save (``metrics``).
+checkpoint dict and the ZeRO tree (``lightning_tree``), the resume that reads it back (``resume``: which load
+fills what, the Trainer's ``load_checkpoint`` as :class:`~lightning_zero.checkpoint.lightning.resume.TrainerResume`;
+``hook_weights``: the weights that wait for ``on_load_checkpoint`` and the ``strict_loading`` key checks), the
+same mapping for ``fabric.save`` (``fabric_tree``), and the logged metrics of each save (``metrics``).
 
 May import every other group of the package but ``interop``.
 """

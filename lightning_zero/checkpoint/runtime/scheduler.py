@@ -22,6 +22,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.runtime.staging import Stager
 from lightning_zero.checkpoint.runtime.stats import SaveStats
 from lightning_zero.checkpoint.store import storage
@@ -272,24 +273,20 @@ class _FinishAtExit:
 
     def __call__(self) -> None:
         try:
-            _CHECKPOINTER.finalize(blocking=True)
+            checkpointer().finalize(blocking=True)
         except Exception as exc:
             sys.stderr.write(f"lightning_zero: the checkpoint save in flight at exit failed: {exc}\n")
 
 
 _finish_at_exit = _FinishAtExit()
-_CHECKPOINTER = AsyncCheckpointer()
 
 
 def checkpointer() -> AsyncCheckpointer:
     """This process's scheduler (one worker thread: saves of every plugin and of the functional API
-    run one at a time, in order)."""
-    return _CHECKPOINTER
-
-
-def replace_after_fork() -> AsyncCheckpointer:
-    """[Note: fork] A fresh scheduler for a forked child; the parent's is returned (to be kept
-    referenced: its thread does not exist in the child)."""
-    global _CHECKPOINTER
-    inherited, _CHECKPOINTER = _CHECKPOINTER, AsyncCheckpointer()
-    return inherited
+    run one at a time, in order), kept in :func:`~lightning_zero.checkpoint.runtime.process.state`."""
+    current = process.state()
+    if current.checkpointer is None:
+        with current.lock:
+            if current.checkpointer is None:
+                current.checkpointer = AsyncCheckpointer()
+    return current.checkpointer

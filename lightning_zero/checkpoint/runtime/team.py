@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from lightning_zero._collectives import new_group, process_group_timeout
+from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
 
 T = TypeVar("T")
@@ -28,28 +29,22 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-_coordination_group: Any = None
-
-
 def set_up_coordination(local_ranks: int | None = None) -> None:
     """(collective, every rank, training thread) Create what background saves coordinate over:
     the gloo group. The strategy calls this at setup, so that no save (in ``local`` mode: no
     collective at all) has to make a collective on the training thread. ``local_ranks``: the
     ranks on this node, which share its CPUs between their reader threads ([Note: parallel reads])."""
-    global _local_ranks
     coordination_group()
     if local_ranks is not None:
-        _local_ranks = local_ranks
-
-
-_local_ranks: int | None = None
+        process.state().local_ranks = local_ranks
 
 
 def ranks_on_this_node() -> int:
     """What ``set_up_coordination`` was told, else torchrun's ``LOCAL_WORLD_SIZE``, else every rank (the safe
     guess: fewer reader threads)."""
-    if _local_ranks is not None:
-        return _local_ranks
+    local_ranks = process.state().local_ranks
+    if local_ranks is not None:
+        return local_ranks
     if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
         return int(os.environ["LOCAL_WORLD_SIZE"])
     return world()[1]
@@ -61,10 +56,10 @@ def coordination_group() -> Any:
     Its timeout is the training group's (the strategy's ``timeout``): a peer that died or froze in a
     save then fails the save within the time the user chose for training collectives, instead of
     gloo's 30 minutes."""
-    global _coordination_group
-    if _coordination_group is None and world()[1] > 1:
-        _coordination_group = new_group(backend="gloo")
-    return _coordination_group
+    current = process.state()
+    if current.coordination_group is None and world()[1] > 1:
+        current.coordination_group = new_group(backend="gloo")
+    return current.coordination_group
 
 
 @dataclass(frozen=True)
@@ -223,16 +218,8 @@ def from_coordinator(read: Callable[[], T], team: Team, what: str) -> T:
 
 def release_group() -> None:
     """Destroy the coordination group (the next save or load makes it again, collectively)."""
-    global _coordination_group
-    if _coordination_group is not None:
-        group, _coordination_group = _coordination_group, None
+    current = process.state()
+    if current.coordination_group is not None:
+        group, current.coordination_group = current.coordination_group, None
         if dist.is_initialized():
             dist.destroy_process_group(group)
-
-
-def forget_group_after_fork() -> Any:
-    """[Note: fork] The child process does not own its parent's group: forget it (returned, to be kept
-    referenced and never destroyed here; see saver.py)."""
-    global _coordination_group
-    inherited, _coordination_group = _coordination_group, None
-    return inherited
