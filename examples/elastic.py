@@ -110,11 +110,16 @@ class Report(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:  # noqa: ANN001
         if self.written or not trainer.is_global_zero:
             return
-        self.written = True
         load = trainer.strategy.checkpoint_io.last_load
+        if load is not None and load.first_step_s is None:
+            return  # the package completes the recovery's timeline at the first step (its callback runs after)
+        self.written = True
+        done = time.time() if load is None else load.ended_at + load.first_step_s
         report = {"restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "world_size": trainer.world_size,
-                  "process_started": STARTED, "first_step_done": time.time(), "first_step": trainer.global_step,
-                  "last_load": dataclasses.asdict(load) if load is not None else None}
+                  "process_started": STARTED, "first_step_done": done,
+                  "first_step": trainer.global_step if load is None else load.step + 1,
+                  "last_load": dataclasses.asdict(load) if load is not None else None,
+                  "failure_to_step_s": load.failure_to_step_s if load is not None else None}
         self.write(report)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from lightning_cases import NetModule, loader
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy
@@ -83,6 +84,44 @@ def test_every_save_on_the_local_tier_every_second_and_the_last_on_the_durable_p
     assert again.strategy.checkpoint_io.last_load.tier == "local"
     for name, value in _params(module).items():
         assert torch.equal(_params(resumed)[name], value)
+
+
+class _Metrics(Logger):
+    """Keeps what rank 0 logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    name = "kept"
+    version = 0
+
+    def log_metrics(self, metrics, step=None) -> None:  # noqa: ANN001
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:  # noqa: ANN001
+        pass
+
+
+def test_a_resume_keeps_and_logs_its_timeline_once_the_first_step_after_it_is_done(tmp_path):
+    _trainer(tmp_path, steps=3, persist_every=2).fit(NetModule(), loader(5, 1, 1))
+    before_resume = time.time()
+    again = _trainer(tmp_path, steps=5, persist_every=2)
+    kept = _Metrics()
+    again.loggers = [kept]
+    again.fit(NetModule(), loader(5, 1, 1), ckpt_path="last")
+    load = again.strategy.checkpoint_io.last_load
+    assert load.tier == "local" and load.step == 3
+    # This process was running at the save it resumed from: no restart in between; its start came before.
+    assert load.restart_s == 0.0 and load.startup_s > 0 and load.restarts is None
+    assert 0 < load.first_step_s < time.time() - before_resume
+    assert load.failure_to_step_s == pytest.approx(load.restart_s + load.startup_s + load.seconds + load.first_step_s)
+    recovery = [(step, m) for step, m in kept.logged if "checkpoint/recovery/tier" in m]
+    assert len(recovery) == 1, kept.logged  # once, at the first step after the resume
+    step, metrics = recovery[0]
+    assert step == 4 and metrics["checkpoint/recovery/step"] == 3.0
+    assert metrics["checkpoint/recovery/first_step_ms"] == pytest.approx(load.first_step_s * 1e3)
+    assert metrics["checkpoint/recovery/failure_to_step_ms"] == pytest.approx(load.failure_to_step_s * 1e3)
 
 
 def test_save_stats_give_time_to_local_commit_and_to_durable(tmp_path):

@@ -132,6 +132,13 @@ def test_torchrun_agent_restarts_the_survivors_which_resume_resharded_from_the_l
     assert saved_step <= load["step"] <= saved_step + 1 and 0 <= load["steps_lost"] <= 1, load  # saves every step
     assert "resharded from 4 to 2 ranks" in log
     assert first["first_step"] == load["step"] + 1
+    # The recovery's timeline as last_load keeps it ([Note: a recovery's timeline]): the parts add up, the
+    # restart is torch elastic's first, and the restart part spans the kill (the newest save came before it).
+    assert load["restarts"] == restart
+    timeline = [load["restart_s"], load["startup_s"], load["seconds"], load["first_step_s"]]
+    assert all(part is not None and part > 0 for part in timeline), load
+    assert first["failure_to_step_s"] == pytest.approx(sum(timeline))
+    assert load["ended_at"] - load["seconds"] - load["startup_s"] == pytest.approx(first["process_started"], abs=0.05)
     assert json.loads((report.parent / f"report.{restart}.end.json").read_text())["final_step"] == STEPS
     assert re.search(rf"SAVED node=a step={STEPS - 1} world=2", log), log[-8000:]
     first["killed"] = killed

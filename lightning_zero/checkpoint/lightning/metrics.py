@@ -6,7 +6,9 @@ a save's figures become readable once it has committed (:func:`~lightning_zero.c
 :class:`~lightning_zero.ZeroCheckpointIO`) logs rank 0's figures of each committed save at the next
 train batch end, or at the end of ``fit`` for the saves ``teardown`` finalized. Reading them makes no
 collective: every rank's figures are its own, and rank 0 writes the commit marker last, so its
-``committed_after_s`` is when the checkpoint became loadable.
+``committed_after_s`` is when the checkpoint became loadable. After a resume through the local tier's
+choice (``ckpt_path="last"``), the first optimizer step completes the recovery's timeline
+(``checkpoint/recovery/*``, kept on ``ZeroCheckpointIO.last_load``), which rank 0 logs once.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
 from lightning_zero.checkpoint.runtime.scheduler import checkpointer
 from lightning_zero.checkpoint.runtime.stats import METRIC_PREFIX, SaveStats
 
@@ -50,9 +54,30 @@ class CheckpointMetrics(Callback):
                 pl_module.log(name, value * 1e3, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                               rank_zero_only=True)
 
+    def _log_recovery(self, trainer: Trainer) -> None:
+        """The first optimizer step after a resume through the local tier's choice completes the recovery's
+        timeline ([Note: a recovery's timeline] in runtime/stats.py); rank 0 logs it once."""
+        io = trainer.strategy.checkpoint_io
+        load = io.last_load if isinstance(io, ZeroCheckpointIO) else None
+        if load is None or load.first_step_s is not None or trainer.global_step <= (load.step or 0):
+            return
+        done = io.record_first_step()
+        if done is None or not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(done.as_metrics(self.prefix), step=trainer.global_step)
+        parts = [f"{name} {value:.3f} s" for name, value in (
+            ("restart", done.restart_s), ("startup", done.startup_s), ("choose", done.choose_s),
+            ("reshard", done.reshard_s), ("load", done.load_s), ("first step", done.first_step_s)) if value is not None]
+        whole = done.failure_to_step_s
+        rank_zero_info(f"Recovered at step {trainer.global_step} from the {done.tier} tier"
+                       + (f" {whole:.3f} s after the newest local-tier save" if whole is not None else "")
+                       + f": {', '.join(parts)}; {done.steps_lost} checkpointed step(s) lost.")
+
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._log_recovery(trainer)
         self._log_committed(trainer, pl_module, in_step=True)
 
     @override

@@ -4,6 +4,8 @@ checkpoint package for ZeroLowLevelStrategy (the staging fence, finalizing, the 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import replace
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -14,7 +16,7 @@ from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.modes import Mode, validate_mode
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
-from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad
+from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad, process_started_at
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 from lightning_zero.checkpoint.tiered import tier_recovery, tier_spares
@@ -214,18 +216,41 @@ class ZeroCheckpointIO(CheckpointIO):
         return True
 
     def record_load(self, choice: TierChoice, seconds: float) -> None:
-        """(every rank) The figures of a resume through :meth:`resolve_last` (``last_load``), logged on rank 0."""
+        """(every rank) The figures of a resume through :meth:`resolve_last` (``last_load``), logged on rank 0;
+        its timeline is completed by :meth:`record_first_step` ([Note: a recovery's timeline])."""
         load_s = max(seconds - choice.choose_s - choice.reshard_s, 0.0)
+        now = time.time()
+        began = now - seconds
+        started = process_started_at()
+        restart_s = startup_s = None
+        if started is not None:
+            startup_s = max(began - started, 0.0)
+            if choice.last_saved_at is not None:
+                restart_s = max(started - choice.last_saved_at, 0.0)
+        count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason, step=choice.step,
                                   choose_s=choice.choose_s, reshard_s=choice.reshard_s, load_s=load_s,
                                   steps_lost=choice.steps_lost, resharded_from=choice.resharded_from,
-                                  moved=dict(choice.moved))
+                                  moved=dict(choice.moved), restart_s=restart_s, startup_s=startup_s,
+                                  restarts=int(count) if count.isdigit() else None, ended_at=now)
         making = ("" if choice.tier != "local" else
                   f"resharding from {choice.resharded_from} ranks {choice.reshard_s:.3f} s, " if choice.resharded_from
                   else f"fetching lost files {choice.reshard_s:.3f} s, ")
+        before = "" if restart_s is None else f" {restart_s:.3f} s after the newest local-tier save, and"
+        after_start = "" if startup_s is None else f" {startup_s:.3f} s after this process started;"
         rank_zero_info(f"Resumed from the {choice.tier} tier ({choice.path!r}) at step {choice.step} in"
                        f" {seconds:.3f} s (choosing {choice.choose_s:.3f} s, {making}loading {load_s:.3f} s;"
-                       f" {choice.steps_lost} checkpointed step(s) lost).")
+                       f" {choice.steps_lost} checkpointed step(s) lost). The resume began{before}{after_start}"
+                       " the timeline is logged after the first step.")
+
+    def record_first_step(self) -> TierLoad | None:
+        """(every rank, after the first optimizer step that follows a resume through :meth:`resolve_last`)
+        Complete ``last_load``'s timeline; returns it the first time, None after (or without a resume)."""
+        load = self.last_load
+        if load is None or load.first_step_s is not None:
+            return None
+        self.last_load = replace(load, first_step_s=max(time.time() - load.ended_at, 0.0))
+        return self.last_load
 
     def release(self) -> None:
         """(every rank, after the last save was finalized) End the worker thread and the coordination

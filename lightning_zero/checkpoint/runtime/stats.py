@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
 METRIC_PREFIX = "checkpoint/"
@@ -81,10 +83,37 @@ class SaveStats:
         return {f"{prefix}{name}": value for name, value in metrics.items()}
 
 
+def process_started_at() -> float | None:
+    """Wall-clock time (``time.time()``) this process started, from Linux's ``/proc`` (None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        with open("/proc/uptime") as uptime:
+            up = float(uptime.read().split()[0])
+        return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# [Note: a recovery's timeline]
+# A resume with a local tier is timed from the failure to the first completed step after it, in parts:
+#   restart   the newest local-tier save (the last moment the previous run is known to have been training,
+#             the coordinator's wall clock in its marker) -> this worker process's start: detecting the
+#             failure, torch elastic's re-rendezvous (or the scheduler's requeue) and the spawn. It includes
+#             the training done after that save and lost, up to one save interval; 0 when this process was
+#             already running at that save (a resume in the same process).
+#   startup   process start -> the resume begins: imports, the process group, the model's setup.
+#   choose, reshard, load   as measured by the resume itself (monotonic clock).
+#   first step   the resume's end -> the first optimizer step completed after it (logged then).
+# Wall-clock differences between machines assume synchronised clocks (NTP); on one machine they are exact
+# to the clock's resolution. ``process_started_at`` has a resolution of one clock tick (10 ms).
+
+
 @dataclass(frozen=True)
 class TierLoad:
     """One resume with a local tier: the tier it read (``"local"`` or ``"durable"``), the path (this
-    rank's), how long choosing and loading took, and why that tier."""
+    rank's), how long choosing and loading took, and why that tier; its timeline ([Note: a recovery's
+    timeline]) once the first step after it has completed."""
 
     tier: str
     path: str
@@ -105,9 +134,27 @@ class TierLoad:
     """The world size the local-tier checkpoint was saved at, when it was resharded to this one."""
     moved: dict[str, int] = field(default_factory=dict)
     """A reshard's bytes on this rank: ``read_bytes`` (its node's copies), ``received_bytes``, ``sent_bytes``."""
+    restart_s: float | None = None
+    """The newest local-tier save -> this process's start (failure detection, rendezvous, spawn)."""
+    startup_s: float | None = None
+    """This process's start -> the resume's start (imports, process group, setup)."""
+    first_step_s: float | None = None
+    """The resume's end -> the first optimizer step completed after it (None until then)."""
+    restarts: int | None = None
+    """torch elastic's restart count of this worker group (``TORCHELASTIC_RESTART_COUNT``), when under it."""
+    ended_at: float = field(default_factory=time.time)
+    """Wall-clock time the resume ended (the first step is timed from it)."""
+
+    @property
+    def failure_to_step_s(self) -> float | None:
+        """From the failure (the newest local-tier save) to the first step after the resume, when known."""
+        if self.restart_s is None or self.startup_s is None or self.first_step_s is None:
+            return None
+        return self.restart_s + self.startup_s + self.seconds + self.first_step_s
 
     def as_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
-        """The figures as logger metrics (milliseconds for times; ``recovery/tier`` 0 local, 1 durable)."""
+        """The figures as logger metrics (milliseconds for times; ``recovery/tier`` 0 local, 1 durable;
+        ``recovery/total_ms`` the resume itself, ``recovery/failure_to_step_ms`` the whole timeline)."""
         metrics = {"tier": 0.0 if self.tier == "local" else 1.0, "total_ms": self.seconds * 1e3,
                    "choose_ms": self.choose_s * 1e3, "reshard_ms": self.reshard_s * 1e3, "load_ms": self.load_s * 1e3,
                    "steps_lost": float(self.steps_lost)}
@@ -115,4 +162,10 @@ class TierLoad:
             metrics["step"] = float(self.step)
         if self.resharded_from is not None:
             metrics["resharded_from"] = float(self.resharded_from)
+        for name in ("restart_s", "startup_s", "first_step_s", "failure_to_step_s"):
+            value = getattr(self, name)
+            if value is not None:
+                metrics[name.removesuffix("_s") + "_ms"] = value * 1e3
+        if self.restarts is not None:
+            metrics["restarts"] = float(self.restarts)
         return {f"{prefix}recovery/{name}": value for name, value in metrics.items()}

@@ -58,6 +58,10 @@ class TierChoice:
     steps_lost: int = 0
     """Checkpointed steps not recovered: the newest step any tier holds (complete or not) minus this one."""
     moved: dict[str, int] = field(default_factory=dict)
+    last_saved_at: float | None = None
+    """Wall-clock time (``time.time()``, the coordinator's) of the newest local-tier save on any node,
+    complete or not: the last moment the previous run is known to have been training ([Note: a recovery's
+    timeline] in runtime/stats.py). None when the local tier holds no checkpoint."""
     """A reshard's bytes: read from this node (``read_bytes``), received from and sent to other nodes."""
 
 
@@ -132,6 +136,7 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
                 holders.setdefault(sid, {}).setdefault(r, []).append(holder)
     durable_url, durable_step = durable if durable is not None else (None, -1)
     newest_known = max([durable_step, *(e["key"][0] for e in entries.values())])
+    last_saved_at = max((e["key"][1] for e in entries.values()), default=None) or None
     rejected: set[str] = set()
     while True:
         usable = [e for sid, e in entries.items() if sid not in rejected
@@ -161,7 +166,7 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
                 rejected.add(newest["save_id"])
                 continue
             choice = replace(choice, choose_s=chosen_at - started, reshard_s=time.perf_counter() - chosen_at,
-                             steps_lost=newest_known - newest["key"][0])
+                             steps_lost=newest_known - newest["key"][0], last_saved_at=last_saved_at)
         elif durable_url is not None:
             reason = (f"durable tier: {durable_url!r} at step {durable_step}, "
                       + (lost if lost and newest is None else
@@ -170,7 +175,8 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
             if lost:
                 rank_zero_warn(f'ckpt_path="last": {lost}; falling back to the durable tier. ' + reason)
             choice = TierChoice(durable_url, "durable", durable_url, reason, durable_step,
-                                choose_s=time.perf_counter() - started, steps_lost=newest_known - durable_step)
+                                choose_s=time.perf_counter() - started, steps_lost=newest_known - durable_step,
+                                last_saved_at=last_saved_at)
         elif lost or rejected:
             raise storage.CheckpointNotFoundError(
                 f'ckpt_path="last": {lost or "no local-tier checkpoint could be used"}, and no durable checkpoint'
