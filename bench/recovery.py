@@ -168,6 +168,7 @@ def restart(kind: str, work: Path, tier: Path, durable: Any, saved: dict[str, An
     if load is None or load["tier"] != expected:
         raise RuntimeError(f"the {kind} restart did not resume from the {expected} tier: {load}")
     return {"agent": first["first_step_done"] - started, "worker": first["first_step_done"] - first["process_started"],
+            "startup": load["startup_s"], "first": load["first_step_s"],
             "choose": load["choose_s"], "reshard": load["reshard_s"], "load": load["load_s"], "total": load["seconds"],
             "lost": step - load["step"], "tier": load["tier"], "step": load["step"],
             "from": load["resharded_from"], "world": first["world_size"],
@@ -180,8 +181,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     step_s = median(gaps)
     rows: dict[str, dict[str, float]] = {}
     for kind, runs in results.items():
-        row = {key: median([r[key] for r in runs]) for key in ("agent", "worker", "choose", "reshard", "load",
-                                                               "total", "lost")}
+        row = {key: median([r[key] for r in runs]) for key in ("agent", "worker", "startup", "choose", "reshard",
+                                                               "load", "total", "first", "lost")}
         row["back"] = median([r["total"] + r["lost"] * step_s for r in runs])
         row["back_worker"] = median([r["worker"] + r["lost"] * step_s for r in runs])
         rows[kind] = row
@@ -197,15 +198,15 @@ def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any
              f" step {step}, {args.repeats} repeat(s), median)", "",
              f"Command: `{command}` ({elapsed:.0f} s). {machine} Durable tier: {durable_label}.", "",
              f"| resume | tier | step resumed | steps lost | resharded from | agent start -> first step s"
-             f" | worker start -> first step s | choose ms | reshard ms | load ms | resume ms"
-             f" | back at step {step}: resume + lost x step ms |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f" | worker start -> first step s | startup s | choose ms | reshard ms | load ms | resume ms"
+             f" | first step ms | back at step {step}: resume + lost x step ms |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for kind, label in SCENARIOS.items():
         r, m = results[kind][0], rows[kind]
         resharded = r["from"] or ("4 (on load)" if r["world"] != 4 else "-")
         lines.append(f"| {label} | {r['tier']} | {r['step']} | {max(x['lost'] for x in results[kind])} | {resharded}"
-                     f" | {m['agent']:.1f} | {m['worker']:.1f} | {ms(m['choose'])} | {ms(m['reshard'])}"
-                     f" | {ms(m['load'])} | {ms(m['total'])} | {ms(m['back'])} |")
+                     f" | {m['agent']:.1f} | {m['worker']:.1f} | {m['startup']:.1f} | {ms(m['choose'])}"
+                     f" | {ms(m['reshard'])} | {ms(m['load'])} | {ms(m['total'])} | {ms(m['first'])} | {ms(m['back'])} |")
     fast, durable = rows["fast"], rows["durable"]
     lines += ["", f"Step time at 2 ranks (a step and its local-tier save, median of {summary['gaps']} gaps between"
               f" completed saves of the 4 -> 2 restarts): {ms(step_s)} ms.", "",
@@ -215,7 +216,9 @@ def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any
               f"| worker start -> back at step {step + 1} (first step + lost steps) |"
               f" {durable['back_worker'] / fast['back_worker']:.2f} |",
               f"| resume: fast 4 -> 2 / same-size restart | {fast['total'] / rows['same']['total']:.2f} |",
-              "", "The resume columns are rank 0's `last_load` (choose: the inventory exchange; reshard: the pieces"
+              "", "The startup, resume and first-step columns are rank 0's `last_load` (its timeline: startup from the"
+              " worker's start to the resume, imports and process group included; first step: from the resume's end"
+              " to the first optimizer step done; choose: the inventory exchange; reshard: the pieces"
               " read, received and written as a new local checkpoint of 2 ranks; load: into the engine). Steps lost:"
               f" the kill step ({step}) minus the step resumed. The times to the first step also hold torchrun's start"
               " and rendezvous (agent) and the workers' imports of torch and Lightning (worker), about the same in"

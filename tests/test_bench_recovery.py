@@ -48,7 +48,8 @@ def test_the_step_time_is_the_gap_between_consecutive_saves_at_one_world_size(re
 
 def run(tier: str, step: int, total: float, worker: float, gaps: list[float], world: int = 2,
         resharded: int | None = None) -> dict[str, Any]:
-    return {"agent": worker + 1, "worker": worker, "choose": 0.01, "reshard": 0.0, "load": total - 0.01,
+    return {"agent": worker + 1, "worker": worker, "startup": worker - 0.5, "first": 0.2, "choose": 0.01,
+            "reshard": 0.0, "load": total - 0.01,
             "total": total, "lost": 8 - step, "tier": tier, "step": step, "from": resharded, "world": world,
             "gaps": gaps}
 
