@@ -117,6 +117,18 @@ def test_the_strategy_enters_the_checkpoint_package_through_public_names_and_the
     assert {u[0] for u in used} & resume_modules  # the resume is one named place, which the strategy calls
 
 
+def test_fabric_enters_the_checkpoint_package_through_public_names_and_its_mapping() -> None:
+    modules = _modules()
+    allowed = {("lightning_zero.checkpoint", name) for name in lightning_zero.checkpoint.__all__}
+    allowed |= {("lightning_zero.checkpoint.lightning.fabric_tree", "fabric_tree"),
+                ("lightning_zero.checkpoint.reader", "to_fabric_layout")}
+    used = set()
+    for node in ast.walk(ast.parse(modules["lightning_zero.fabric"].read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
+            used |= {(node.module, alias.name) for alias in node.names}
+    assert used and used <= allowed, used - allowed
+
+
 LAYERS: dict[str, set[str]] = {
     # group: the groups it may import (lightning_zero.checkpoint's own top-level modules are "verbs")
     "store": set(),
