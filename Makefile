@@ -65,14 +65,20 @@ bench-peers: install
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/engine.py --peers --methods ddp zero1 zero2 deepspeed_zero1 deepspeed_zero2
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/checkpoint.py --peers
 
-# The documentation site (docs/, mkdocs.yml) into site/; MkDocs goes into a folder of its own, not the venv.
+# The documentation site (docs/, mkdocs.yml) into site/, the API reference included: MkDocs, Material and
+# mkdocstrings at the versions of docs-requirements.txt go into a folder of their own, not the venv, and read
+# the package's sources without importing them (no torch needed). --strict: a broken link or reference fails.
 DOCS_VENV ?= .docs-venv
-docs:
-	test -x $(DOCS_VENV)/bin/mkdocs || { $(PYTHON) -m venv $(DOCS_VENV) && $(DOCS_VENV)/bin/pip install -q mkdocs==1.6.1; }
-	$(DOCS_VENV)/bin/mkdocs build
+$(DOCS_VENV)/.installed: docs-requirements.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q -r docs-requirements.txt
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache lightning_logs runs site
+	rm -rf $(VENV) $(DOCS_VENV) .pytest_cache lightning_logs runs site

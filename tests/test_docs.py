@@ -1,12 +1,16 @@
 """The documents hold together: every relative link in the project's Markdown files (README, docs/, the
 maps and logs beside them) names a file that exists and, where it names a heading (``page.md#anchor``), a
 heading of that page; the README stays an entry page of a size a newcomer reads, and every docs page is
-listed in the site's navigation (``mkdocs.yml``) and in ``docs/index.md``."""
+listed in the site's navigation (``mkdocs.yml``) and in ``docs/index.md``; the API reference documents
+every public name, by its public path only (``lightning_zero.X``, ``lightning_zero.checkpoint.X``)."""
 
 from __future__ import annotations
 
+import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -14,7 +18,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = sorted([*REPO.glob("*.md"), *(REPO / "docs").rglob("*.md")])
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-README_LIMIT = 30_000  # bytes: the field's READMEs are 10-30 KB; guides live in docs/
+README_LIMIT = 15_000  # bytes: an entry page; guides live in docs/
+PUBLIC_MODULES = {"lightning_zero": "lightning_zero/__init__.py",
+                  "lightning_zero.checkpoint": "lightning_zero/checkpoint/__init__.py"}
 
 
 def prose(text: str) -> str:
@@ -33,6 +39,32 @@ def anchors(page: Path) -> set[str]:
         seen[slug] = count + 1
         found.add(slug if count == 0 else f"{slug}-{count}")
     return found
+
+
+def site_config() -> dict[str, Any]:
+    """mkdocs.yml (plain YAML: no ``!!python/name:`` tags, which ``safe_load`` refuses)."""
+    return yaml.safe_load((REPO / "mkdocs.yml").read_text())
+
+
+def nav_pages(nav: Any) -> Iterator[str]:
+    """The page files of a MkDocs ``nav``, sections (``{"title": [...]}``) walked into."""
+    if isinstance(nav, str):
+        yield nav
+    elif isinstance(nav, list):
+        for entry in nav:
+            yield from nav_pages(entry)
+    elif isinstance(nav, dict):
+        for value in nav.values():
+            yield from nav_pages(value)
+
+
+def public_names(module: str) -> set[str]:
+    """``module``'s ``__all__``, read from its source (nothing imported)."""
+    tree = ast.parse((REPO / PUBLIC_MODULES[module]).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{module} has no __all__")
 
 
 def relative_links(page: Path) -> list[str]:
@@ -64,12 +96,27 @@ def test_the_checker_finds_a_broken_file_and_a_broken_anchor(tmp_path: Path) -> 
 def test_the_readme_is_an_entry_page_and_every_guide_is_reachable() -> None:
     assert (REPO / "README.md").stat().st_size <= README_LIMIT
     guides = {path.relative_to(REPO / "docs").as_posix() for path in (REPO / "docs").rglob("*.md")}
-    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
-    listed = set()
-    for entry in config["nav"]:
-        listed.update(entry.values() if isinstance(entry, dict) else [entry])
+    listed = set(nav_pages(site_config()["nav"]))
     assert listed == guides, f"mkdocs.yml nav and docs/ differ: {sorted(listed ^ guides)}"
     index_links = {link.partition("#")[0] for link in relative_links(REPO / "docs" / "index.md")}
     assert guides - {"index.md"} <= index_links, f"docs/index.md does not link {sorted(guides - index_links)}"
     readme_links = {link.partition("#")[0] for link in relative_links(REPO / "README.md")}
     assert "docs/index.md" in readme_links
+
+
+def test_nav_pages_walks_into_sections() -> None:
+    nav = ["index.md", {"Guides": [{"A": "a.md"}, "b.md"]}, {"Reference": [{"X": "reference/x.md"}]}]
+    assert list(nav_pages(nav)) == ["index.md", "a.md", "b.md", "reference/x.md"]
+
+
+def test_the_api_reference_documents_every_public_name_by_its_public_path() -> None:
+    """``::: lightning_zero.X`` / ``::: lightning_zero.checkpoint.X`` for every name of those ``__all__`` (a
+    name both export may appear under either), and nothing else: the modules that define them move."""
+    referenced = re.findall(r"^::: *([\w.]+)", "\n".join(
+        page.read_text() for page in sorted((REPO / "docs" / "reference").glob("*.md"))), flags=re.M)
+    public = {f"{module}.{name}" for module in PUBLIC_MODULES for name in public_names(module)}
+    assert not set(referenced) - public, f"the reference names non-public paths: {sorted(set(referenced) - public)}"
+    assert len(referenced) == len(set(referenced)), "a name is documented twice"
+    documented = {path.rsplit(".", 1)[1] for path in referenced}
+    missing = {name for module in PUBLIC_MODULES for name in public_names(module)} - documented
+    assert not missing, f"public names without a reference entry: {sorted(missing)}"
