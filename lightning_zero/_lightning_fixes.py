@@ -96,11 +96,11 @@ def newest_complete_checkpoint(trainer: Any, dirpath: str, extension: str, warn:
     and silently trains from step 0. An uncommitted save has no marker (or only a ``.tmp-`` file in
     ``full`` mode), so every name listed here whose marker reads is a complete checkpoint."""
     from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
-    from lightning_zero.checkpoint.store import storage
+    from lightning_zero.checkpoint.store import cleanup, storage
 
     io = getattr(trainer.strategy, "checkpoint_io", None)
     options = io.storage_options if isinstance(io, ZeroCheckpointIO) else {}
-    for candidate in storage.newest_siblings(storage.resolve(f"{dirpath.rstrip('/')}/last{extension}", options)):
+    for candidate in cleanup.newest_siblings(storage.resolve(f"{dirpath.rstrip('/')}/last{extension}", options)):
         if not candidate.endswith(extension):
             continue
         try:

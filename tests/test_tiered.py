@@ -139,9 +139,9 @@ def test_durable_tier_newer_than_local_is_taken(tmp_path):
     module = NetModule()
     trainer.fit(module, loader(3, 1, 1))
     # The local tier lost its newest save (step 3): the durable step-3 checkpoint is newer than local step 2.
-    from lightning_zero.checkpoint.store import storage
+    from lightning_zero.checkpoint.store import cleanup, storage
 
-    storage.remove(storage.resolve(str(tmp_path / "local" / "node0" / "epoch=0-step=3.ckpt")))
+    cleanup.remove(storage.resolve(str(tmp_path / "local" / "node0" / "epoch=0-step=3.ckpt")))
     resumed = NetModule()
     again = _trainer(tmp_path, steps=3, persist_every=1)
     again.fit(resumed, loader(3, 1, 1), ckpt_path="last")

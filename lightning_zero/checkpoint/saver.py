@@ -45,7 +45,7 @@ from lightning_zero.checkpoint.runtime.team import (
     make_team,
     release_group,
 )
-from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store import cleanup, file_io, storage
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
@@ -154,10 +154,10 @@ def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | Non
 def remove_incomplete(directory: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """(one process, after the saves of this process finished) Delete the leftovers of saves that
     never committed in ``directory`` (a job killed mid-save), keeping every committed checkpoint; see
-    :func:`storage.remove_incomplete`. The next successful save of the same name does this for
+    :func:`cleanup.remove_incomplete`. The next successful save of the same name does this for
     that name by itself; this is for names that are never saved again (``epoch=...`` files)."""
     maybe_finalize_async_calls(blocking=True)
-    return storage.remove_incomplete(storage.resolve(directory, storage_options))
+    return cleanup.remove_incomplete(storage.resolve(directory, storage_options))
 
 
 def remove(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -333,7 +333,7 @@ class _SaveJob:
                 file_io.discard(loc, self.version_dir)
             else:
                 try:
-                    storage.remove_stale_versions(loc, keep=self.version_dir)
+                    cleanup.remove_stale_versions(loc, keep=self.version_dir)
                 except Exception as exc:  # committed already; leftovers only cost space
                     log.warning("Could not delete old data versions of %s: %s", loc.url, exc)
         commit_error = all_gather_objects(commit_error, team.group)[team.coordinator]

@@ -278,11 +278,11 @@ def complete_checkpoints(ckpt_dir: str, storage_options: dict[str, Any]) -> list
     """The newest name in ``ckpt_dir`` that loads whole right now (what a crash at this moment would
     leave to resume from), or none."""
     from lightning_zero.checkpoint import read_lightning_checkpoint
-    from lightning_zero.checkpoint.store import storage
+    from lightning_zero.checkpoint.store import cleanup, storage
 
     loc = storage.resolve(f"{ckpt_dir.rstrip('/')}/probe", storage_options)
     good = []
-    for candidate in storage.newest_siblings(loc):
+    for candidate in cleanup.newest_siblings(loc):
         try:
             read_lightning_checkpoint(candidate, storage_options, optimizer=True)
         except Exception:  # noqa: BLE001 - not (yet, or no longer) a checkpoint

@@ -38,7 +38,7 @@ from lightning_zero.checkpoint.lightning.hook_weights import (
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.reader import MASTERS_KEY, read_full_content, read_opened
 from lightning_zero.checkpoint.runtime.team import checked_on_every_rank, make_team
-from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store import cleanup, storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 from lightning_zero.checkpoint.trainer_state import read_trainer_state
 from lightning_zero.engine import ZeroEngine
@@ -186,7 +186,7 @@ def load_with_fallback(path: str, storage_options: dict[str, Any], load_one: Cal
 
     candidates = [path]
     if path.rstrip("/").rsplit("/", 1)[-1].startswith("last"):
-        candidates += storage.newest_siblings(storage.resolve(path, storage_options))
+        candidates += cleanup.newest_siblings(storage.resolve(path, storage_options))
     fallback_errors = (CheckpointCorruptError, storage.CheckpointNotFoundError, CheckpointException)
     first_error: BaseException | None = None
     for candidate in candidates:

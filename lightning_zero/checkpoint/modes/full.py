@@ -16,7 +16,7 @@ from lightning_zero._collectives import group_device
 from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 from lightning_zero.checkpoint.runtime.team import peer_lost
-from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store import cleanup, file_io
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
@@ -30,7 +30,7 @@ def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,
     file_io.torch_save_to(loc, loc.path, full, tuning, whole=True)
     # Temporary files of saves of this name that died (SIGKILL) before their rename: one worker
     # writes a name at a time, so none of them is in progress.
-    storage.remove_leftover_temporaries(loc)
+    cleanup.remove_leftover_temporaries(loc)
 
 
 GATHER_BUCKET_BYTES = 64 * 2**20

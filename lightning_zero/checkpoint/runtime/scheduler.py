@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.runtime.staging import Stager
 from lightning_zero.checkpoint.runtime.stats import SaveStats
-from lightning_zero.checkpoint.store import storage
+from lightning_zero.checkpoint.store import cleanup
 from lightning_zero.checkpoint.store.storage import Location
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class AsyncCheckpointer:
         after = pending.future if pending is not None else None
         if after is None and not self._removals and not self._worker.alive():
             try:
-                storage.remove(loc)
+                cleanup.remove(loc)
             except Exception as exc:  # the checkpoint it meant to delete is still a valid one
                 rank_zero_warn(f"Could not remove old checkpoint {loc.url!r}: {exc}. Delete it by hand.")
             return
@@ -221,7 +221,7 @@ class AsyncCheckpointer:
             if after is not None and after.exception() is not None:
                 log.warning("Keeping %s: the newer checkpoint failed to save.", loc.url)
                 return
-            storage.remove(loc)
+            cleanup.remove(loc)
 
         self._removals.append((loc, self.executor().submit(job)))
 
@@ -234,7 +234,7 @@ class AsyncCheckpointer:
             if after is not None and after.exception() is not None:
                 log.warning("Not linking %s: %s failed to save.", link.url, target.url)
                 return
-            storage.link(target, link)
+            cleanup.link(target, link)
 
         self._removals.append((link, self.executor().submit(job)))
 

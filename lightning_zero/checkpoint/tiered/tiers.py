@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.formats.tree import shard_group_size_of
 from lightning_zero.checkpoint.modes import local
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError
 from lightning_zero.checkpoint.runtime.team import all_gather_objects
-from lightning_zero.checkpoint.store import file_io, storage
+from lightning_zero.checkpoint.store import cleanup, file_io, storage
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.tiered import replication, tier_spares
 
@@ -228,7 +228,7 @@ class TierSave:
 
     def _remove_durable(self, url: str) -> None:
         try:
-            storage.remove(storage.resolve(url, self.storage_options))
+            cleanup.remove(storage.resolve(url, self.storage_options))
         except Exception as exc:  # a leftover costs space only
             rank_zero_warn(f"Could not remove old checkpoint {url!r}: {exc}. Delete it by hand.")
 
@@ -328,7 +328,7 @@ class TierSave:
         self.committed_at = time.perf_counter()  # retention is no part of committing
         if replicated:
             limit = len(ranks)  # what one save writes into this directory ([Note: spare tier files])
-            storage.remove_stale_versions(self.loc, keep=self.version_dir,
+            cleanup.remove_stale_versions(self.loc, keep=self.version_dir,
                                           discard=lambda tree: tier_spares.retire(tree, self.root, limit))
             apply_retention(self.root, self.tier.keep, limit)
 
@@ -371,6 +371,6 @@ def apply_retention(root: str, keep: int, spares: int = 0) -> list[str]:
     ``spares`` of their files stay as the tier's spares ([Note: spare tier files]). Returns what was removed."""
     removed = []
     for path, _ in tier_markers(root)[keep:]:
-        storage.remove(storage.resolve(path), discard=lambda tree: tier_spares.retire(tree, root, spares))
+        cleanup.remove(storage.resolve(path), discard=lambda tree: tier_spares.retire(tree, root, spares))
         removed.append(path)
     return removed
