@@ -78,7 +78,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             False keeps them allocated, for CPU runs where taking them again costs page faults).
         whole_step_group_mb: shape-aware optimizers (Muon, Adafactor) step whole matrices gathered from the
             shards a group of at most this many MiB at a time (``ZeroConfig.whole_step_group_mb``; None: all at
-            once). docs/training.md, "Optimizers".
+            once). See docs/optimizers.md.
         exclude_frozen_parameters: leave parameters that do not require grad out of every checkpoint (a
             frozen pretrained base under adapters), as DeepSpeed's option of that name; loading such a
             checkpoint keeps the module's own values of the parameters it lacks (no ``strict_loading``

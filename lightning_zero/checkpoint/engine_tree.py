@@ -57,9 +57,10 @@ def flat_master(sp: ShardedParam, world_size: int) -> FlatShard:
 def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False,
                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
-    (see the layout in :mod:`lightning_zero.checkpoint.lightning.lightning_tree`). ``for_load``: the tree a load
-    fills (buffers not copied, no ``meta``). ``meta``: :func:`module_meta`, if already known (the
-    strategy computes it once at setup; see there)."""
+    (``model/<fqn>`` master shards and whole tensors, ``optimizer/<i>/state/<fqn>/<key>`` and
+    ``optimizer/<i>/param_groups``, ``meta``: the layout of ``local`` and ``sharded`` checkpoints). ``for_load``: the tree a load fills (buffers not copied, no ``meta``). ``meta``: the
+    module's metadata (parameter dtypes, key order, tied weights), if already known (the strategy computes it
+    once at setup)."""
     ws = engine.shard_size
     model: dict[str, Any] = {}
     # The engine's list, not module.named_parameters(): that would wait for the step's parameter

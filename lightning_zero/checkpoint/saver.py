@@ -153,8 +153,8 @@ def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | Non
 
 def remove_incomplete(directory: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """(one process, after the saves of this process finished) Delete the leftovers of saves that
-    never committed in ``directory`` (a job killed mid-save), keeping every committed checkpoint; see
-    :func:`cleanup.remove_incomplete`. The next successful save of the same name does this for
+    never committed in ``directory`` (a job killed mid-save): data versions no commit marker names and
+    temporary files of interrupted writes; every committed checkpoint is kept. The next successful save of the same name does this for
     that name by itself; this is for names that are never saved again (``epoch=...`` files)."""
     maybe_finalize_async_calls(blocking=True)
     return cleanup.remove_incomplete(storage.resolve(directory, storage_options))
