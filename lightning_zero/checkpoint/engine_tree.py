@@ -58,9 +58,9 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
                     meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
     (``model/<fqn>`` master shards and whole tensors, ``optimizer/<i>/state/<fqn>/<key>`` and
-    ``optimizer/<i>/param_groups``, ``meta``: the layout of ``local`` and ``sharded`` checkpoints). ``for_load``: the tree a load fills (buffers not copied, no ``meta``). ``meta``: the
-    module's metadata (parameter dtypes, key order, tied weights), if already known (the strategy computes it
-    once at setup)."""
+    ``optimizer/<i>/param_groups``, ``meta``: the layout of ``local`` and ``sharded`` checkpoints).
+    ``for_load``: the tree a load fills (buffers not copied, no ``meta``). ``meta``: the module's metadata
+    (parameter dtypes, key order, tied weights), if already known (the strategy computes it once at setup)."""
     ws = engine.shard_size
     model: dict[str, Any] = {}
     # The engine's list, not module.named_parameters(): that would wait for the step's parameter
