@@ -36,17 +36,17 @@ settings.load_profile("lightning_zero")
 
 TESTS = Path(__file__).resolve().parent
 E2E_MODULES = frozenset({
-    "test_cli",  # the lightning-zero command
-    "test_configs",  # every config in configs/ through the command
-    "test_demo",  # examples/demo.py (make demo)
-    "test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
-    "test_fabric_example",  # examples/fabric_gpt.py, killed after its first save and run again
-    "test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
-    "test_multinode",  # two "nodes", each a script with its own ranks
-    "test_bench_engine",  # bench/engine.py
-    "test_bench_scale",  # bench/scale.py
-    "test_bench_write_loop",  # bench/write_loop.py
-    "test_gpu_check",  # bench/gpu_check.py
+    "lightning/test_cli",  # the lightning-zero command
+    "lightning/test_configs",  # every config in configs/ through the command
+    "examples/test_demo",  # examples/demo.py (make demo)
+    "examples/test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
+    "examples/test_fabric_example",  # examples/fabric_gpt.py, killed after its first save and run again
+    "examples/test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
+    "lightning/test_multinode",  # two "nodes", each a script with its own ranks
+    "bench/test_bench_engine",  # bench/engine.py
+    "bench/test_bench_scale",  # bench/scale.py
+    "bench/test_bench_write_loop",  # bench/write_loop.py
+    "bench/test_gpu_check",  # bench/gpu_check.py
     "faults/test_peer_loss_trainer",  # one script per node, one of them killed or stopped
     "faults/test_killed_job",  # a training script SIGKILLed mid-save
     "faults/test_clean_exit",  # fit and resume scripts must exit cleanly
@@ -57,8 +57,8 @@ interpreters (a command, an example or bench script, torchrun) or run for minute
 is marked ``e2e`` here, so ``make test-fast`` (``-m "not e2e and not slow"``) leaves them out and the
 modules need no marks of their own; ``make test`` runs them. A few tests in these modules run in this
 process (the command's argument parsing, the bench modules' helpers): they go with their module.
-Modules where one test among many in-process ones starts the command (test_convert,
-test_old_checkpoints, faults/test_hostile_files) stay out; those tests are marked ``slow``."""
+Modules where one test among many in-process ones starts the command (checkpoint/interop/test_convert,
+checkpoint/test_old_checkpoints, faults/test_hostile_files) stay out; those tests are marked ``slow``."""
 
 _missing = sorted(name for name in E2E_MODULES if not (TESTS / f"{name}.py").is_file())
 assert not _missing, f"E2E_MODULES names modules that do not exist (renamed?): {_missing}"

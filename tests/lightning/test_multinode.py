@@ -13,7 +13,7 @@ from engine_cases import Case, run_reference
 
 from lightning_zero.checkpoint import read_mode
 
-HERE = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_two_nodes_train_like_one_process_and_save_a_sharded_checkpoint(tmp_path
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     env.pop("WORLD_SIZE", None)
     out, ckpt_dir = tmp_path / "result.pt", tmp_path / "ckpt"
-    script = os.path.join(HERE, "multinode_train.py")
+    script = os.path.join(TESTS, "multinode_train.py")
     nodes = [
         subprocess.Popen([sys.executable, script, str(out), str(ckpt_dir)], env={**env, "NODE_RANK": str(rank)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

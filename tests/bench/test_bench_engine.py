@@ -11,7 +11,7 @@ from typing import Any
 
 from _dist import run_distributed
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _bench_module() -> Any:

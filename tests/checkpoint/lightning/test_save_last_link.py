@@ -3,7 +3,7 @@
 2 ranks of ZeRO-2 save every step and keep the newest 2; ``last.ckpt`` must name the newest
 committed checkpoint (a symlink on local disks, a copy of the commit marker on S3), and a fresh
 Trainer resuming from ``"last"`` with a perturbed module must end bit-identical to an
-uninterrupted 2-epoch run (the pattern of tests/test_checkpoint_resume.py).
+uninterrupted 2-epoch run (the pattern of tests/checkpoint/lightning/test_checkpoint_resume.py).
 """
 
 from __future__ import annotations

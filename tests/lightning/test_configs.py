@@ -19,7 +19,7 @@ import torch
 import yaml
 from s3_server import S3
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL_MODEL = ["--model.init_args.width", "32", "--model.init_args.depth", "1", "--model.init_args.heads", "2"]
 STEPS = 2
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _dist import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 120, 10
 
 

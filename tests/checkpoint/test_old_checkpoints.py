@@ -25,7 +25,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
 import old_checkpoint_model as old  # noqa: E402

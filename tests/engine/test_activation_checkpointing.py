@@ -4,7 +4,7 @@ Trainer, 2 CPU processes: the weights of ddp with the same checkpointing, and of
 The reentrant variant runs the checkpointed layer's backward inside its own ``torch.autograd.backward``
 call, so the engine's gradient hooks for that layer fire there; a hook that did not fire, or a reduction
 that waited for one, would leave a gradient out (different weights) or hang (the collective timeout of
-tests/_dist.py fails the test instead). Bit for bit for the reasons in tests/test_compile.py: two ranks add
+tests/_dist.py fails the test instead). Bit for bit for the reasons in tests/engine/test_compile.py: two ranks add
 the same two numbers, AdamW is elementwise, and recomputing a layer gives the same activations.
 """
 

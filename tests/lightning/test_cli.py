@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/tiny_gpt.yaml"
 SAVE_EVERY = 20  # the config's ModelCheckpoint every_n_train_steps
 SMALL_MODEL = ["--model.init_args.width", "32", "--model.init_args.depth", "1", "--model.init_args.heads", "2"]

@@ -15,7 +15,7 @@ import torch
 from lightning_zero.checkpoint import read_lightning_checkpoint
 
 pytestmark = pytest.mark.e2e
-PROGRAM = Path(__file__).with_name("fabric_exit_program.py")
+PROGRAM = Path(__file__).resolve().parents[1] / "fabric_exit_program.py"
 
 
 @pytest.mark.parametrize(("mode", "devices"), [("full", 2), ("sharded", 2), ("local", 1)])

@@ -149,7 +149,7 @@ def test_plain_ddp_resumes_from_a_full_checkpoint(first_epoch: Callable[[str], P
                                                          uninterrupted: dict[str, torch.Tensor]) -> None:
     # Plain DDP with find_unused_parameters: one rank skips Net.branch, no rank uses Net.dropped.
     # Forked workers: spawned ones can abort at interpreter exit inside gloo, plain DDP's too
-    # (see tests/test_strategy.py). Workers from the fork server gave a different `net.scale`
+    # (see tests/lightning/test_strategy.py). Workers from the fork server gave a different `net.scale`
     # after this resume in one check, unexplained so far; plain fork matches the uninterrupted run.
     strategy = DDPStrategy(find_unused_parameters=True, start_method="fork")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2,

@@ -28,7 +28,7 @@ from lightning_zero.checkpoint.formats.deepspeed_files import (
 from lightning_zero.checkpoint.interop.named_state import read_named
 from lightning_zero.checkpoint.reader import META_KEY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SAME_SIZE = ["zero2-fp32", "zero1-fp32", "zero2-bf16", "zero1-bf16"]
 """Fixtures whose files DeepSpeed's ZeRO-1/2 optimizer wrote (the layout to_deepspeed writes): compared file for file."""
 READ_BACK = SAME_SIZE + ["zero2-fp32-rr", "zero1-bf16-fp32accum"]

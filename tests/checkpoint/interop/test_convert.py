@@ -34,7 +34,7 @@ from lightning_zero.checkpoint import convert, save_pretrained
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @torch.no_grad()
@@ -190,7 +190,7 @@ def test_plain_ddp_resumes_from_a_converted_file_like_the_uninterrupted_run(net_
     ckpts, _ = net_run("sharded")
     converted = tmp_path / "model.ckpt"
     convert(str(ckpts / "last.ckpt"), str(converted))
-    # As tests/test_checkpoint_resume.py resumes plain DDP from a `full` file (fork: see there).
+    # As tests/checkpoint/lightning/test_checkpoint_resume.py resumes plain DDP from a `full` file (fork: see there).
     trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(find_unused_parameters=True, start_method="fork"),
                       max_epochs=2, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))

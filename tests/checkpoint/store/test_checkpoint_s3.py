@@ -116,7 +116,7 @@ def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: An
 
 def test_model_checkpoint_version_names_are_unique_on_s3(s3: S3) -> None:  # noqa: F811
     """ModelCheckpoint's -vN names under async saves on S3, where an object exists only once uploaded
-    (tests/test_lightning_contracts.py holds the same test on local paths, against ddp)."""
+    (tests/lightning/test_lightning_contracts.py holds the same test on local paths, against ddp)."""
     from contract_cases import versioned_names
 
     result = run_distributed(versioned_names, WORLD_SIZE, s3.fresh_prefix("versions"), "zero", "sharded",

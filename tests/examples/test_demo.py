@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^((?:epoch=\d+-)?step=(\d+)(?:\.ckpt)?)\s+(\d)\s+([\d.]+ MB|removed)\s+([\d.]+) ms\s+(\d+) ms$")
 
 
