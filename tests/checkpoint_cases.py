@@ -332,19 +332,6 @@ class CountingStrategy(ZeroLowLevelStrategy):
             f.write(json.dumps({"path": str(filepath), "main": counter.main}) + "\n")
 
 
-_UNINTERRUPTED: dict[str, Tensor] = {}
-
-
-def uninterrupted_weights() -> dict[str, Tensor]:
-    """Rank 0's weights after 2 epochs (4 steps) without a break; computed once per test session."""
-    if not _UNINTERRUPTED:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as root:
-            _UNINTERRUPTED.update(fit(make_trainer("sharded", root, 2, checkpointing=False)))
-    return dict(_UNINTERRUPTED)
-
-
 def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: int) -> dict[str, Any]:
     """Save ``last.ckpt`` (local mode), then save it again while ``failing_rank``'s disk is full.
     What each rank's finalize raised, and what ``last.ckpt`` holds afterwards."""

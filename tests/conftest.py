@@ -102,6 +102,21 @@ def s3() -> Iterator[Any]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Rank 0's weights after the 2-epoch (4-step) run of tests/checkpoint_cases.py's Trainer without a
+    break, which every resume of that run's checkpoints must end with; fitted once per session, for the
+    first test that asks. Read it, never change it: the tests share it."""
+    from checkpoint_cases import fit, make_trainer
+
+    saved = dict(os.environ)  # the launcher exports MASTER_PORT; outside any test's _environment_unchanged here
+    try:
+        return fit(make_trainer("sharded", tmp_path_factory.mktemp("uninterrupted"), 2, checkpointing=False))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def _environment_unchanged() -> Iterator[None]:
     """Every test leaves ``os.environ`` as it found it. A Trainer run in this process (devices=1)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 import yaml
-from s3_server import S3
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_MODEL = ["--model.init_args.width", "32", "--model.init_args.depth", "1", "--model.init_args.heads", "2"]
@@ -104,7 +106,7 @@ def test_frequent_and_archive_config_writes_both_callbacks_checkpoints(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_sharded_s3_config_writes_to_the_bucket_from_the_environment(tmp_path: Path, s3: S3) -> None:  # noqa: F811
+def test_sharded_s3_config_writes_to_the_bucket_from_the_environment(tmp_path: Path, s3: S3) -> None:
     # BUCKET, AWS_ENDPOINT_URL and the credentials come from the environment, as the config says.
     output = lightning_zero(every_step("sharded_s3.yaml", tmp_path, [STEPS]), tmp_path / "run",
                             env={"BUCKET": s3.bucket, "AWS_ENDPOINT_URL": s3.endpoint_url})

@@ -44,17 +44,6 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 
 
-@pytest.fixture
-def in_process_trainer() -> Any:
-    """A Trainer with devices=1 runs in this process and initializes its process group here; it is
-    destroyed afterwards, so later tests start clean (conftest's single_rank_group checks that)."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _on_ranks(fn: Any, *args: Any) -> list[Any]:
     return run_distributed(fn, WORLD, *args, start_method="forkserver")
 
@@ -124,7 +113,7 @@ def test_repeated_fits_leave_no_process_group_behind(tmp_path: Any) -> None:
         assert per_rank == [1, 1, 1, 1], per_rank
 
 
-def test_trainer_pickles_and_deep_copies_after_fit(tmp_path: Any, in_process_trainer: Any) -> None:
+def test_trainer_pickles_and_deep_copies_after_fit(tmp_path: Any, in_process_trainer_group: None) -> None:
     from lifecycle_cases import EvalNet
     from lightning.pytorch import Trainer
     from lightning_cases import loader
@@ -244,7 +233,8 @@ def test_swa_with_a_custom_scheduler_resumes_as_under_ddp(tmp_path: Any, mode: s
     assert_close_dicts(zero["resumed"], zero["uninterrupted"], "resumed = uninterrupted", atol=1e-6)
 
 
-def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: Any, in_process_trainer: Any) -> None:
+def test_a_closure_optimizer_is_refused_at_setup_through_the_trainer(tmp_path: Any,
+                                                                     in_process_trainer_group: None) -> None:
     """core/test_lightning_optimizer.py's LBFGS: refused at setup with the reason, as Lightning's DeepSpeed
     strategy refuses it, instead of an internal TypeError after the first backward."""
     from lifecycle_cases import EvalNet

@@ -15,22 +15,24 @@ import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupted_weights
+from checkpoint_cases import assert_same_weights, fit, make_trainer
 from hf_cases import GPT2Module, fixed_input, token_loader
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_cases import NetModule, loader
-from s3_server import S3
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy
 from lightning_zero.checkpoint import convert, save_pretrained
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 pytestmark = pytest.mark.slow
 
@@ -186,7 +188,8 @@ def test_convert_to_lightning_gives_a_plain_file_with_the_trained_state(net_run:
     assert content["global_step"] == 2
 
 
-def test_plain_ddp_resumes_from_a_converted_file_like_the_uninterrupted_run(net_run: Any, tmp_path: Path) -> None:
+def test_plain_ddp_resumes_from_a_converted_file_like_the_uninterrupted_run(
+        net_run: Any, tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
     ckpts, _ = net_run("sharded")
     converted = tmp_path / "model.ckpt"
     convert(str(ckpts / "last.ckpt"), str(converted))
@@ -200,7 +203,7 @@ def test_plain_ddp_resumes_from_a_converted_file_like_the_uninterrupted_run(net_
             p.add_(1.0)
     trainer.fit(module, loader(2, 1, 2), ckpt_path=str(converted))
     # DDP all-reduces where ZeRO reduce-scatters: equal up to float rounding.
-    for name, value in uninterrupted_weights().items():
+    for name, value in uninterrupted.items():
         torch.testing.assert_close(module.state_dict()[name], value, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -228,7 +231,7 @@ def test_console_convert_as_a_user_types_it(net_run: Any, tmp_path: Path) -> Non
 
 
 @pytest.mark.s3
-def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:  # noqa: F811
+def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, tmp_path: Path) -> None:
     prefix = s3.fresh_prefix("convert-src")
     trained = fit(make_trainer("sharded", prefix, 1, storage_options=s3.storage_options))
     out = tmp_path / "model.ckpt"
@@ -245,7 +248,7 @@ def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, 
 
 @pytest.mark.s3
 @pytest.mark.parametrize("to", ["lightning", "hf"])
-def test_convert_writes_to_s3(gpt2_run: Any, s3: S3, tmp_path: Path, to: str) -> None:  # noqa: F811
+def test_convert_writes_to_s3(gpt2_run: Any, s3: S3, tmp_path: Path, to: str) -> None:
     ckpts, module = gpt2_run("sharded")
     dst = s3.fresh_prefix(f"convert-{to}") + ("/model.ckpt" if to == "lightning" else "/hf")
     assert convert(str(ckpts / "last.ckpt"), dst, to=to, dst_storage_options=s3.storage_options) == dst

@@ -81,7 +81,8 @@ def test_last_save_stats_reports_the_newest_committed_save_of_the_functional_api
     assert ZeroCheckpointIO().last_save_stats is second
 
 
-def test_prog_bar_shows_the_newest_saves_blocked_and_commit_times(tmp_path: Path) -> None:
+def test_prog_bar_shows_the_newest_saves_blocked_and_commit_times(tmp_path: Path,
+                                                                  in_process_trainer_group: None) -> None:
     from lightning_zero.checkpoint import CheckpointMetrics
 
     trainer = Trainer(
@@ -91,15 +92,7 @@ def test_prog_bar_shows_the_newest_saves_blocked_and_commit_times(tmp_path: Path
                    ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1)],
         enable_progress_bar=True, enable_model_summary=False,
     )
-    try:
-        trainer.fit(NetModule(), loader(4, 1, 1))
-    finally:
-        # One process, no launcher: the Trainer's process group lives in this test process; later
-        # tests start their own (conftest's single_rank_group checks that none leaked).
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    trainer.fit(NetModule(), loader(4, 1, 1))
     assert sum(isinstance(c, CheckpointMetrics) for c in trainer.callbacks) == 1  # the strategy added none
     shown = trainer.progress_bar_metrics
     assert shown["ckpt_blocked_ms"] > 0 and shown["ckpt_commit_ms"] > 0

@@ -21,7 +21,6 @@ from checkpoint_cases import (
     assert_same_weights,
     fit,
     make_trainer,
-    uninterrupted_weights,
 )
 from engine_cases import global_batch, initial_model, make_optimizer
 from lightning.pytorch import Trainer
@@ -31,11 +30,6 @@ from lightning_cases import NetModule, loader
 from lightning_zero.checkpoint.store import storage
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def uninterrupted() -> dict[str, torch.Tensor]:
-    return uninterrupted_weights()
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from checkpoint_cases import MODES, assert_same_weights, fit, uninterrupted_weights
+from checkpoint_cases import MODES, assert_same_weights, fit
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from s3_server import S3
 
 from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +47,6 @@ def link_trainer(mode: str, dirpath: str, max_epochs: int, storage_options: dict
     )
 
 
-@pytest.fixture(scope="module")
-def uninterrupted() -> dict[str, torch.Tensor]:
-    return uninterrupted_weights()
-
-
 def checkpoint_names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != "_zero_data")
 
@@ -71,7 +68,7 @@ def test_last_links_to_the_newest_checkpoint_and_resumes(uninterrupted: dict[str
 
 @pytest.mark.s3
 def test_last_on_s3_is_a_copy_of_the_newest_marker_and_resumes(uninterrupted: dict[str, torch.Tensor],
-                                                               s3: S3) -> None:  # noqa: F811
+                                                               s3: S3) -> None:
     prefix = s3.fresh_prefix("link-last")
 
     def names() -> list[str]:

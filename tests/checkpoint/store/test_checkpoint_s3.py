@@ -3,12 +3,13 @@
 Functional round trips of all three modes at 2 ranks, and Trainer runs for ``sharded`` and
 ``full`` with ``ModelCheckpoint(dirpath="s3://...")`` resumed from ``s3://.../last.ckpt`` and
 from ``"last"``. Trainer ranks fork from the fork server, which inherits the AWS endpoint that
+
 Lightning's own s3fs calls need because conftest.py exports it before the server starts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -20,11 +21,12 @@ from checkpoint_cases import (
     fit,
     make_trainer,
     round_trip,
-    uninterrupted_weights,
 )
-from s3_server import S3
 
 from lightning_zero.checkpoint.store import storage
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 pytestmark = pytest.mark.s3
 
@@ -32,7 +34,7 @@ WORLD_SIZE = 2
 
 
 @pytest.fixture(scope="module")
-def round_trips(s3: S3) -> tuple[str, list[dict[str, Any]]]:  # noqa: F811
+def round_trips(s3: S3) -> tuple[str, list[dict[str, Any]]]:
     root = s3.fresh_prefix("round-trip")
     return root, run_distributed(round_trip, WORLD_SIZE, root, MODES, s3.storage_options, start_method="forkserver")
 
@@ -54,7 +56,7 @@ def test_resumed_training_from_s3_equals_the_uninterrupted_run(round_trips: Any,
             assert torch.equal(result[mode]["resumed"][fqn], value), f"{mode}, rank {rank}: {fqn}"
 
 
-def test_s3_layout_is_a_marker_object_with_versioned_data(round_trips: Any, s3: S3) -> None:  # noqa: F811
+def test_s3_layout_is_a_marker_object_with_versioned_data(round_trips: Any, s3: S3) -> None:
     root, _ = round_trips
     prefix = root.removeprefix(f"s3://{s3.bucket}/")
     keys = s3.keys(root)
@@ -72,12 +74,7 @@ def test_s3_layout_is_a_marker_object_with_versioned_data(round_trips: Any, s3: 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted() -> dict[str, torch.Tensor]:
-    return uninterrupted_weights()
-
-
-@pytest.fixture(scope="module")
-def first_epoch(s3: S3) -> Any:  # noqa: F811
+def first_epoch(s3: S3) -> Any:
     """``s3://.../<mode>`` after a 1-epoch run that saved there (run once per mode)."""
     made: dict[str, str] = {}
 
@@ -93,7 +90,7 @@ def first_epoch(s3: S3) -> Any:  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sharded", "full"])
-def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],  # noqa: F811
+def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],
                                         mode: str) -> None:
     prefix = first_epoch(mode)
     assert {f"{prefix}/epoch=0-step=2.ckpt", f"{prefix}/last.ckpt"} <= {f"s3://{s3.bucket}/{k}" for k in s3.keys(prefix)}
@@ -106,7 +103,7 @@ def test_trainer_resumes_from_an_s3_url(first_epoch: Any, s3: S3, uninterrupted:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sharded", "full"])
-def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],  # noqa: F811
+def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: Any, s3: S3, uninterrupted: dict[str, torch.Tensor],
                                          mode: str) -> None:
     prefix = first_epoch(mode)
     resumed = fit(make_trainer(mode, prefix, 2, start_method="forkserver", storage_options=s3.storage_options),
@@ -114,7 +111,7 @@ def test_trainer_resumes_from_last_on_s3_despite_lightning_18261(first_epoch: An
     assert_same_weights(resumed, uninterrupted, f"{mode}: resumed from 'last' in {prefix}")
 
 
-def test_model_checkpoint_version_names_are_unique_on_s3(s3: S3) -> None:  # noqa: F811
+def test_model_checkpoint_version_names_are_unique_on_s3(s3: S3) -> None:
     """ModelCheckpoint's -vN names under async saves on S3, where an object exists only once uploaded
     (tests/lightning/test_lightning_contracts.py holds the same test on local paths, against ddp)."""
     from contract_cases import versioned_names
