@@ -26,11 +26,24 @@ from lightning_cases import NetModule, loader
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroLowLevelStrategy
-from lightning_zero.checkpoint import ZeroCheckpointIO, async_save, engine_tree, load, save
+from lightning_zero.checkpoint import FlatShard, ZeroCheckpointIO, async_save, engine_tree, load, save
 
 MODES = ("local", "sharded", "full")
 SAVED_AT_STEP = 2
 TOTAL_STEPS = 4
+
+
+def small_tree(value: float) -> dict[str, Any]:
+    """A one-rank tree small enough to save in this process: a flat shard, a whole tensor, plain values."""
+    return {
+        "model": {"w": FlatShard(torch.full((10,), value), (10,), 0, 1), "b": torch.full((3,), value)},
+        "meta": {"step": 7, "betas": [0.9, 0.99]},
+    }
+
+
+def small_tree_values(tree: dict[str, Any]) -> tuple[float, float]:
+    """The one value each tensor of a :func:`small_tree` holds (``unique`` fails on a mix)."""
+    return tree["model"]["w"].local.unique().item(), tree["model"]["b"].unique().item()
 
 
 def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: float = 0.0,
