@@ -43,12 +43,6 @@ def test_local_tier_options_are_checked():
         LocalTier("s3://bucket/x")
     with pytest.raises(ValueError, match="keep=0"):
         LocalTier("/tmp/x", keep=0)
-    with pytest.raises(ValueError, match="needs a local_tier"):
-        ZeroCheckpointIO(persist_every=5)
-    with pytest.raises(ValueError, match="persist_every=0"):
-        ZeroCheckpointIO(local_tier=LocalTier("/tmp/x"), persist_every=0)
-    with pytest.raises(ValueError, match="mode='sharded' or 'local'"):
-        ZeroCheckpointIO(mode="full", local_tier=LocalTier("/tmp/x"))
     assert LocalTier("/dev/shm/ck/{node_rank}-{local_rank}").root(3, 1) == "/dev/shm/ck/3-1"
 
 
