@@ -39,7 +39,7 @@ def test_persist_every_needs_a_local_tier_and_a_mode_the_tier_keeps() -> None:
 
 
 def test_a_local_tier_given_as_a_path_is_refused_naming_the_class() -> None:
-    with pytest.raises(TypeError, match=r"local_tier must be a lightning_zero\.checkpoint\.LocalTier, got str"):
+    with pytest.raises(TypeError, match=r"must be a lightning_zero\.checkpoint\.LocalTier, got str"):
         ZeroCheckpointIO(local_tier="/tmp/x")  # type: ignore[arg-type]
 
 
@@ -74,7 +74,7 @@ def test_async_save_returns_with_the_save_in_flight_and_without_it_committed(
 
     monkeypatch.setattr(file_io, "write_file", slow_write)
     io = ZeroCheckpointIO(mode="local", async_save=async_save)
-    tree = {TREE_TAG: "local", "model": {"w": FlatShard(torch.ones(4), (4,), 0, 1)}}  # as the strategy tags it
+    tree = {TREE_TAG: "local", "model": {"w": FlatShard(torch.ones(4), (4,), 0, 1)}}  # tagged by the strategy
     io.save_checkpoint(tree, tmp_path / "step.ckpt")
     assert io.finalize(blocking=False) is (not async_save)
     io.finalize()

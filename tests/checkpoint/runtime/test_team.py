@@ -75,7 +75,8 @@ def on_two_ranks() -> list[dict[str, Any]]:
     return run_distributed(exchanges, 2, start_method="forkserver")
 
 
-def test_a_check_that_fails_on_one_rank_fails_on_every_rank_naming_it(on_two_ranks: list[dict[str, Any]]) -> None:
+def test_a_check_that_fails_on_one_rank_fails_on_every_rank_naming_it(
+        on_two_ranks: list[dict[str, Any]]) -> None:
     first, second = (result["one_rank_fails"] for result in on_two_ranks)
     assert first[0] == CheckpointCorruptError.__name__
     assert "'/runs/step-2.ckpt' failed on another rank" in first[1]
@@ -83,11 +84,13 @@ def test_a_check_that_fails_on_one_rank_fails_on_every_rank_naming_it(on_two_ran
     assert second[:2] == ("OSError", "rank 1 cannot read its file")  # the failing rank raises its own error
 
 
-def test_checks_that_pass_everywhere_give_each_rank_its_own_result(on_two_ranks: list[dict[str, Any]]) -> None:
+def test_checks_that_pass_everywhere_give_each_rank_its_own_result(
+        on_two_ranks: list[dict[str, Any]]) -> None:
     assert [result["none_fails"] for result in on_two_ranks] == [("ok", "rank 0", []), ("ok", "rank 1", [])]
 
 
-def test_a_read_runs_on_the_coordinator_only_and_reaches_every_rank(on_two_ranks: list[dict[str, Any]]) -> None:
+def test_a_read_runs_on_the_coordinator_only_and_reaches_every_rank(
+        on_two_ranks: list[dict[str, Any]]) -> None:
     assert [result["coordinator_reads"] for result in on_two_ranks] == [("ok", {"items": 3}, [])] * 2
     assert [result["reads"] for result in on_two_ranks] == [[0], []]
 
