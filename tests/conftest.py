@@ -1,4 +1,5 @@
-"""Shared test setup: fork-server preload, a one-rank in-process gloo group, a hypothesis profile, the e2e tier."""
+"""Shared test setup: fork-server preload, the fixtures every directory shares (a one-rank in-process gloo group,
+saves finalized, moto S3, the uninterrupted run), a hypothesis profile, the e2e tier (tests/README.md)."""
 
 from __future__ import annotations
 
@@ -84,12 +85,19 @@ def single_rank_group() -> Iterator[None]:
 
 
 @pytest.fixture
-def one_rank(single_rank_group: None) -> Iterator[None]:
-    """A world of one gloo rank (DCP's sharded saves need a group), every save of the test finalized after it."""
+def saves_finalized() -> Iterator[None]:
+    """Every save the test queued in this process finalized after it, so none runs into the next test (one
+    that failed raises here)."""
     from lightning_zero.checkpoint import maybe_finalize_async_calls
 
     yield
     maybe_finalize_async_calls(blocking=True)
+
+
+@pytest.fixture
+def one_rank(single_rank_group: None, saves_finalized: None) -> None:
+    """A world of one gloo rank (DCP's sharded saves need a group), every save of the test finalized after
+    it, while the group is still there."""
 
 
 @pytest.fixture(scope="module")

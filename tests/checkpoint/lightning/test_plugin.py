@@ -13,15 +13,11 @@ import pytest
 import torch
 
 from lightning_zero import LocalTier, ZeroCheckpointIO
-from lightning_zero.checkpoint import FlatShard, maybe_finalize_async_calls, read_mode
+from lightning_zero.checkpoint import FlatShard, read_mode
 from lightning_zero.checkpoint.store import file_io
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
-
-@pytest.fixture(autouse=True)
-def _nothing_left_in_flight() -> Any:
-    yield
-    maybe_finalize_async_calls(blocking=True)
+pytestmark = pytest.mark.usefixtures("saves_finalized")  # tests/conftest.py
 
 
 def test_bad_checkpoint_mode_is_a_clear_error() -> None:

@@ -30,11 +30,7 @@ from lightning_zero.checkpoint.runtime.scheduler import AsyncCheckpointer, Seria
 from lightning_zero.checkpoint.runtime.staging import Stager
 from lightning_zero.checkpoint.store import file_io, storage
 
-
-@pytest.fixture(autouse=True)
-def _nothing_left_in_flight() -> Any:
-    yield
-    maybe_finalize_async_calls(blocking=True)
+pytestmark = pytest.mark.usefixtures("saves_finalized")  # tests/conftest.py
 
 
 # ---- through the functional API --------------------------------------------------------------
