@@ -4,7 +4,7 @@
 
 Every check prints one line, ``PASS``, ``FAIL`` or ``SKIP`` with the reason. On a machine without
 CUDA the CPU-able checks run (gloo instead of NCCL, RSS instead of CUDA memory statistics) and the
-CUDA-only ones print ``SKIP``; ``tests/test_gpu_check.py`` runs it that way. Checks:
+CUDA-only ones print ``SKIP``; ``tests/bench/test_gpu_check.py`` runs it that way. Checks:
 
 1. ZeRO-2 at world size 1 equals plain PyTorch, bit for bit, in fp32 (AdamW on the parameters)
    and bf16-true (against a plain fp32-master loop: bf16 model, fp32 copies, AdamW on the copies),

@@ -26,11 +26,24 @@ from lightning_cases import NetModule, loader
 from torch import Tensor, nn
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroLowLevelStrategy
-from lightning_zero.checkpoint import ZeroCheckpointIO, async_save, engine_tree, load, save
+from lightning_zero.checkpoint import FlatShard, ZeroCheckpointIO, async_save, engine_tree, load, save
 
 MODES = ("local", "sharded", "full")
 SAVED_AT_STEP = 2
 TOTAL_STEPS = 4
+
+
+def small_tree(value: float) -> dict[str, Any]:
+    """A one-rank tree small enough to save in this process: a flat shard, a whole tensor, plain values."""
+    return {
+        "model": {"w": FlatShard(torch.full((10,), value), (10,), 0, 1), "b": torch.full((3,), value)},
+        "meta": {"step": 7, "betas": [0.9, 0.99]},
+    }
+
+
+def small_tree_values(tree: dict[str, Any]) -> tuple[float, float]:
+    """The one value each tensor of a :func:`small_tree` holds (``unique`` fails on a mix)."""
+    return tree["model"]["w"].local.unique().item(), tree["model"]["b"].unique().item()
 
 
 def build(rank: int, world_size: int, model: nn.Module | None = None, perturb: float = 0.0,
@@ -330,19 +343,6 @@ class CountingStrategy(ZeroLowLevelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
         with open(f"{self.count_dir}/rank{self.global_rank}.jsonl", "a") as f:
             f.write(json.dumps({"path": str(filepath), "main": counter.main}) + "\n")
-
-
-_UNINTERRUPTED: dict[str, Tensor] = {}
-
-
-def uninterrupted_weights() -> dict[str, Tensor]:
-    """Rank 0's weights after 2 epochs (4 steps) without a break; computed once per test session."""
-    if not _UNINTERRUPTED:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as root:
-            _UNINTERRUPTED.update(fit(make_trainer("sharded", root, 2, checkpointing=False)))
-    return dict(_UNINTERRUPTED)
 
 
 def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Programs written elsewhere, as they use a strategy (tests/test_client_programs.py).
+"""Programs written elsewhere, as they use a strategy (tests/checkpoint/test_client_programs.py).
 
 ``fabric_pretrain_loop`` is the shape of litgpt's Fabric loops: ``fabric.setup_module`` then
 ``fabric.setup_optimizers``, a few steps, ``fabric.save(path, {"model": ..., "optimizer": ..., "iter_num": ...})``;

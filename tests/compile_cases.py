@@ -1,4 +1,4 @@
-"""Workers for tests/test_compile.py: a tiny MLP LightningModule fitted through ``trainer.fit(torch.compile(module))``
+"""Workers for tests/engine/test_compile.py: a tiny MLP LightningModule fitted through ``trainer.fit(torch.compile(module))``
 under ``ddp``, ``zero1`` and ``zero2``, counting the graphs the compiler hands its backend in each process."""
 
 from __future__ import annotations

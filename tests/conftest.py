@@ -1,4 +1,5 @@
-"""Shared test setup: fork-server preload, a one-rank in-process gloo group, a hypothesis profile, the e2e tier."""
+"""Shared test setup: fork-server preload, the fixtures every directory shares (a one-rank in-process gloo group,
+saves finalized, moto S3, the uninterrupted run), a hypothesis profile, the e2e tier (tests/README.md)."""
 
 from __future__ import annotations
 
@@ -36,17 +37,17 @@ settings.load_profile("lightning_zero")
 
 TESTS = Path(__file__).resolve().parent
 E2E_MODULES = frozenset({
-    "test_cli",  # the lightning-zero command
-    "test_configs",  # every config in configs/ through the command
-    "test_demo",  # examples/demo.py (make demo)
-    "test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
-    "test_fabric_example",  # examples/fabric_gpt.py, killed after its first save and run again
-    "test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
-    "test_multinode",  # two "nodes", each a script with its own ranks
-    "test_bench_engine",  # bench/engine.py
-    "test_bench_scale",  # bench/scale.py
-    "test_bench_write_loop",  # bench/write_loop.py
-    "test_gpu_check",  # bench/gpu_check.py
+    "lightning/test_cli",  # the lightning-zero command
+    "lightning/test_configs",  # every config in configs/ through the command
+    "examples/test_demo",  # examples/demo.py (make demo)
+    "examples/test_examples",  # examples/hf_gpt2.py, examples/lora_gpt2.py
+    "examples/test_fabric_example",  # examples/fabric_gpt.py, killed after its first save and run again
+    "examples/test_torchrun_loop",  # examples/torchrun_loop.py under torchrun, SIGKILLed and resumed
+    "lightning/test_multinode",  # two "nodes", each a script with its own ranks
+    "bench/test_bench_engine",  # bench/engine.py
+    "bench/test_bench_scale",  # bench/scale.py
+    "bench/test_bench_write_loop",  # bench/write_loop.py
+    "bench/test_gpu_check",  # bench/gpu_check.py
     "faults/test_peer_loss_trainer",  # one script per node, one of them killed or stopped
     "faults/test_killed_job",  # a training script SIGKILLed mid-save
     "faults/test_clean_exit",  # fit and resume scripts must exit cleanly
@@ -57,8 +58,8 @@ interpreters (a command, an example or bench script, torchrun) or run for minute
 is marked ``e2e`` here, so ``make test-fast`` (``-m "not e2e and not slow"``) leaves them out and the
 modules need no marks of their own; ``make test`` runs them. A few tests in these modules run in this
 process (the command's argument parsing, the bench modules' helpers): they go with their module.
-Modules where one test among many in-process ones starts the command (test_convert,
-test_old_checkpoints, faults/test_hostile_files) stay out; those tests are marked ``slow``."""
+Modules where one test among many in-process ones starts the command (checkpoint/interop/test_convert,
+checkpoint/test_old_checkpoints, faults/test_hostile_files) stay out; those tests are marked ``slow``."""
 
 _missing = sorted(name for name in E2E_MODULES if not (TESTS / f"{name}.py").is_file())
 assert not _missing, f"E2E_MODULES names modules that do not exist (renamed?): {_missing}"
@@ -84,12 +85,19 @@ def single_rank_group() -> Iterator[None]:
 
 
 @pytest.fixture
-def one_rank(single_rank_group: None) -> Iterator[None]:
-    """A world of one gloo rank (DCP's sharded saves need a group), every save of the test finalized after it."""
+def saves_finalized() -> Iterator[None]:
+    """Every save the test queued in this process finalized after it, so none runs into the next test (one
+    that failed raises here)."""
     from lightning_zero.checkpoint import maybe_finalize_async_calls
 
     yield
     maybe_finalize_async_calls(blocking=True)
+
+
+@pytest.fixture
+def one_rank(single_rank_group: None, saves_finalized: None) -> None:
+    """A world of one gloo rank (DCP's sharded saves need a group), every save of the test finalized after
+    it, while the group is still there."""
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +108,21 @@ def s3() -> Iterator[Any]:
 
     with moto_s3() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Rank 0's weights after the 2-epoch (4-step) run of tests/checkpoint_cases.py's Trainer without a
+    break, which every resume of that run's checkpoints must end with; fitted once per session, for the
+    first test that asks. Read it, never change it: the tests share it."""
+    from checkpoint_cases import fit, make_trainer
+
+    saved = dict(os.environ)  # the launcher exports MASTER_PORT; outside any test's _environment_unchanged here
+    try:
+        return fit(make_trainer("sharded", tmp_path_factory.mktemp("uninterrupted"), 2, checkpointing=False))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Lightning's own contracts, run the same way under ``ddp`` and under ZeRO (tests/test_lightning_contracts.py).
+"""Lightning's own contracts, run the same way under ``ddp`` and under ZeRO (tests/lightning/test_lightning_contracts.py).
 
 Each function runs on every rank of a gloo group (tests/_dist.py) and returns what the test compares:
 the same function with ``strategy="ddp"`` is the reference, as Lightning's own tests hold DDP to it.

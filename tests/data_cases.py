@@ -1,4 +1,4 @@
-"""Trainer runs whose training step records the sample ids it trained on (tests/test_data_position.py)."""
+"""Trainer runs whose training step records the sample ids it trained on (tests/lightning/test_data_position.py)."""
 
 from __future__ import annotations
 

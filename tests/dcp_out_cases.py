@@ -1,4 +1,4 @@
-"""The runs tests/test_dcp_out.py compares (each in gloo workers): ZeroLowLevelStrategy stage 2 trains
+"""The runs tests/checkpoint/interop/test_dcp_out.py compares (each in gloo workers): ZeroLowLevelStrategy stage 2 trains
 :class:`~deepspeed_cases.TinyNet` for ``STEPS_BEFORE`` global batches at 2 ranks and saves; from that checkpoint
 it continues ``STEPS_AFTER`` more (:func:`continue_ours`), and FSDP2 (``fully_shard`` on gloo CPU processes)
 loads the checkpoint converted ``--to dcp`` with ``set_state_dict`` and trains the same batches

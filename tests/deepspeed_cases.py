@@ -1,4 +1,4 @@
-"""The model, data and Trainer runs shared by tests/test_deepspeed_in.py and the fixture generator
+"""The model, data and Trainer runs shared by tests/checkpoint/formats/test_deepspeed_in.py and the fixture generator
 (tests/fixtures/deepspeed/make_fixtures.py, the only one that imports DeepSpeed).
 
 DeepSpeed trained :class:`TinyNet` at 2 gloo ranks for ``STEPS_BEFORE`` global batches of ``GLOBAL_BATCH``

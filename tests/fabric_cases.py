@@ -1,5 +1,5 @@
 """Fabric loops run on N gloo ranks through ``Fabric(strategy="zero1"/"zero2")``, and their plain-PyTorch
-reference in one process (tests/test_fabric.py, tests/test_fabric_checkpoint.py).
+reference in one process (tests/fabric/test_fabric.py, tests/fabric/test_fabric_checkpoint.py).
 
 Each rank runs in a process made by tests/_dist.py, whose process group Fabric finds already initialized;
 the environment is torchrun's, so ``fabric.launch()`` starts no process.

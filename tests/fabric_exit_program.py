@@ -1,5 +1,5 @@
 """A Fabric program as one is written elsewhere: it saves at its last step with ``fabric.save`` and ends, with
-no ``fabric.strategy.teardown()`` (tests/test_fabric_exit.py). Each write is held back ``DELAY`` seconds, so the
+no ``fabric.strategy.teardown()`` (tests/fabric/test_fabric_exit.py). Each write is held back ``DELAY`` seconds, so the
 save is still in flight when the script's last line has run.
 
     python fabric_exit_program.py PATH MODE DEVICES

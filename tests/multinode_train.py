@@ -1,4 +1,4 @@
-"""One "node" of a two-node run on 127.0.0.1 (started twice by tests/test_multinode.py).
+"""One "node" of a two-node run on 127.0.0.1 (started twice by tests/lightning/test_multinode.py).
 
 Usage: NODE_RANK=<0|1> MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> python multinode_train.py OUT CKPT_DIR
 """
@@ -33,7 +33,7 @@ if __name__ == "__main__":
         torch.save({"params": {n: p.detach() for n, p in module.net.named_parameters()},
                     "shard_numel": trainer.strategy.optimizer_shard_numel, "world_size": trainer.world_size}, out)
     # Leave like a fork-server worker does: gloo can abort a process that already finished its
-    # work while the interpreter shuts down (see tests/test_strategy.py), failing the test at random.
+    # work while the interpreter shuts down (see tests/lightning/test_strategy.py), failing the test at random.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -125,7 +125,7 @@ def test_device_types_of_a_gloo_group(single_rank_group: None) -> None:
 
 
 def test_process_group_timeout_of_the_cpu_backend() -> None:
-    from tests._dist import free_port
+    from _dist import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=123))

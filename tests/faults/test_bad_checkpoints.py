@@ -30,12 +30,9 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.formats.tree import FlatShard, walk
 from lightning_zero.checkpoint.store import storage
 
+pytestmark = pytest.mark.usefixtures("one_rank")  # one in-process gloo rank (tests/conftest.py)
+
 MODES = ("local", "sharded", "full")
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    """Every test here on one in-process rank (tests/conftest.py)."""
 
 
 def load_target(model: nn.Module | None = None) -> tuple[nn.Module, ZeroEngine, dict[str, Any]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fault_cases import Watch
@@ -16,9 +16,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_cases import NetModule, loader
 from s3_proxy import faulty_proxy
-from s3_server import S3
 
 from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 
 def run(ckpt_dir: str, out_dir: Path, steps: int, top_k: int, mode: str = "local",
@@ -73,7 +75,7 @@ def test_keep_last_n_under_async_saves_always_leaves_a_complete_checkpoint_on_di
 @pytest.mark.s3
 @pytest.mark.slow
 def test_keep_last_n_under_async_saves_always_leaves_a_complete_checkpoint_on_slow_s3(
-        s3: S3, tmp_path: Path) -> None:  # noqa: F811
+        s3: S3, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     prefix = s3.fresh_prefix("keep-last")

@@ -32,14 +32,9 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.store import file_io, writeback
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
+pytestmark = pytest.mark.usefixtures("one_rank")  # one in-process gloo rank (tests/conftest.py)
+
 DISK_FULL = r"No space left on device"
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
-
-
 
 
 def disk_full() -> OSError:

@@ -12,12 +12,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from fault_cases import tree
-from s3_server import S3
 
 from lightning_zero.checkpoint import (
     CheckpointCorruptError,
@@ -28,12 +27,12 @@ from lightning_zero.checkpoint import (
     save,
 )
 
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
+
+pytestmark = pytest.mark.usefixtures("one_rank")  # one in-process gloo rank (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
 
 
 class RunsCode:
@@ -114,14 +113,14 @@ def test_a_crafted_trainer_state_with_valid_checksums_never_runs(tmp_path: Path)
 KEY, SECRET = "AKIALEAKCHECK0000042", "s3cr3t-Do-Not-Leak-0042"
 
 
-def secret_options(s3: S3) -> dict[str, Any]:  # noqa: F811
+def secret_options(s3: S3) -> dict[str, Any]:
     """moto accepts any key pair while it does not enforce IAM."""
     return {"endpoint_url": s3.endpoint_url, "key": KEY, "secret": SECRET}
 
 
 @pytest.mark.s3
 @pytest.mark.parametrize("mode", ["local", "sharded", "full"])
-def test_credentials_appear_in_no_checkpoint_file_error_or_repr(s3: S3, mode: str) -> None:  # noqa: F811
+def test_credentials_appear_in_no_checkpoint_file_error_or_repr(s3: S3, mode: str) -> None:
     prefix = s3.fresh_prefix(f"secrets-{mode}")
     options = secret_options(s3)
     save(tree(1.0), f"{prefix}/last.ckpt", mode=mode, storage_options=options)
@@ -187,7 +186,7 @@ data:
 @pytest.mark.s3
 @pytest.mark.slow
 def test_credentials_in_a_cli_yaml_are_masked_in_the_saved_config_and_appear_nowhere_else(
-        s3: S3, tmp_path: Path) -> None:  # noqa: F811
+        s3: S3, tmp_path: Path) -> None:
     prefix = s3.fresh_prefix("cli-secrets")
     config = tmp_path / "config.yaml"
     config.write_text(CLI_CONFIG.format(root=tmp_path / "run", endpoint=s3.endpoint_url, key=KEY, secret=SECRET,

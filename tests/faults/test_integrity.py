@@ -22,12 +22,9 @@ from checkpoint_cases import save_and_gather
 from lightning_zero.checkpoint import CheckpointCorruptError, FlatShard, load, save
 from lightning_zero.checkpoint.reader import read_zero_tree
 
+pytestmark = pytest.mark.usefixtures("one_rank")  # one in-process gloo rank (tests/conftest.py)
+
 MODES = ("local", "sharded", "full")
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
 
 
 def big_tree(value: float, shape: tuple[int, ...] = (64, 64)) -> dict[str, Any]:

@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from checkpoint_cases import assert_same_weights, fit, make_trainer, uninterrupted_weights
+from checkpoint_cases import assert_same_weights, fit, make_trainer
 
 from lightning_zero.checkpoint import (
     CheckpointNotFoundError,
@@ -35,7 +36,8 @@ def kill_a_job_mid_save(mode: str, dirpath: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["local", "sharded", "full"])
-def test_a_job_killed_mid_save_resumes_from_the_newest_complete_checkpoint(tmp_path: Path, mode: str) -> None:
+def test_a_job_killed_mid_save_resumes_from_the_newest_complete_checkpoint(tmp_path: Path, mode: str,
+                                                                          uninterrupted: dict[str, Any]) -> None:
     ckpts = tmp_path / "ckpts"
     kill_a_job_mid_save(mode, ckpts)
     # The first epoch's checkpoint committed; the first last.ckpt was being written when all died.
@@ -52,7 +54,7 @@ def test_a_job_killed_mid_save_resumes_from_the_newest_complete_checkpoint(tmp_p
     # "last" resumes from epoch=0-step=2 (Lightning alone would start from step 0): a perturbed fresh
     # module ends equal to the uninterrupted run only if that checkpoint was really loaded.
     resumed = fit(make_trainer(mode, ckpts, 2), ckpt_path="last", perturb=True)
-    assert_same_weights(resumed, uninterrupted_weights(), 'ckpt_path="last" after the kill')
+    assert_same_weights(resumed, uninterrupted, 'ckpt_path="last" after the kill')
     # The resumed run saved last.ckpt: the dead save's leftovers are gone.
     names = sorted(os.listdir(ckpts))
     assert "last.ckpt" in names and not [n for n in names if ".tmp-" in n], names

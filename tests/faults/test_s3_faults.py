@@ -8,11 +8,10 @@ Nothing a failed save or load touches may change the checkpoint that is there.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fault_cases import MODES, tree
-from s3_server import S3
 
 from lightning_zero.checkpoint import (
     CheckpointNotFoundError,
@@ -23,15 +22,10 @@ from lightning_zero.checkpoint import (
     save,
 )
 
-pytestmark = pytest.mark.s3
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
-
-
+pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("one_rank")]  # one in-process gloo rank (tests/conftest.py)
 
 
 def loaded_value(url: str, storage_options: dict[str, Any]) -> float:
@@ -41,7 +35,7 @@ def loaded_value(url: str, storage_options: dict[str, Any]) -> float:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_save_to_a_bucket_that_does_not_exist_fails_clearly(s3: S3, mode: str) -> None:  # noqa: F811
+def test_save_to_a_bucket_that_does_not_exist_fails_clearly(s3: S3, mode: str) -> None:
     url = f"s3://no-such-bucket-{mode}/run/last.ckpt"
     async_save(tree(1.0), url, mode=mode, storage_options=s3.storage_options)
     with pytest.raises(CheckpointSaveError, match=rf"{re.escape(url)}.*the bucket or prefix does not exist"):
@@ -50,7 +44,7 @@ def test_save_to_a_bucket_that_does_not_exist_fails_clearly(s3: S3, mode: str) -
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_load_from_a_bucket_that_does_not_exist_names_the_bucket(s3: S3, mode: str) -> None:  # noqa: F811
+def test_load_from_a_bucket_that_does_not_exist_names_the_bucket(s3: S3, mode: str) -> None:
     target = tree(0.0)
     with pytest.raises(CheckpointNotFoundError, match=r"the bucket 'no-such-bucket' does not exist"):
         load(target, "s3://no-such-bucket/run/last.ckpt", storage_options=s3.storage_options)
@@ -58,7 +52,7 @@ def test_load_from_a_bucket_that_does_not_exist_names_the_bucket(s3: S3, mode: s
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_refused_access_fails_clearly_and_leaves_the_checkpoint_alone(s3: S3, mode: str) -> None:  # noqa: F811
+def test_refused_access_fails_clearly_and_leaves_the_checkpoint_alone(s3: S3, mode: str) -> None:
     url = s3.url(f"refused/{mode}/last.ckpt")
     save(tree(1.0), url, mode=mode, storage_options=s3.storage_options)
     before = {key: s3.read(s3.url(key)) for key in s3.keys(s3.url(f"refused/{mode}"))}

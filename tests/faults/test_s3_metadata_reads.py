@@ -4,16 +4,20 @@ sees every request the ranks make."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, load_with_options, save_and_gather
 from s3_proxy import faulty_proxy
-from s3_server import S3
+
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
 
 pytestmark = pytest.mark.s3
 
 
-def test_a_sharded_load_at_two_ranks_gets_the_metadata_from_the_bucket_once(s3: S3) -> None:  # noqa: F811
+def test_a_sharded_load_at_two_ranks_gets_the_metadata_from_the_bucket_once(s3: S3) -> None:
     root = s3.fresh_prefix("shared-metadata")
     saved = run_distributed(save_and_gather, 2, root, ("sharded",), start_method="forkserver")[0]
     with faulty_proxy(s3.endpoint_url) as proxy:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from s3_proxy import faulty_proxy
-from s3_server import S3
 
 from lightning_zero.checkpoint import (
     CheckpointSaveError,
@@ -25,14 +24,12 @@ from lightning_zero.checkpoint import (
     save,
 )
 
-pytestmark = pytest.mark.s3
+if TYPE_CHECKING:
+    from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
+
+pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("one_rank")]  # one in-process gloo rank (tests/conftest.py)
 
 MODES = ("local", "sharded", "full")
-
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
 
 
 def tree(value: float, numel: int = 1000) -> dict[str, Any]:
@@ -46,7 +43,7 @@ def loaded_value(url: str, storage_options: dict[str, Any], numel: int = 1000) -
     return target["w"].local.unique().item()
 
 
-def through(proxy_url: str, s3: S3, **config: Any) -> dict[str, Any]:  # noqa: F811
+def through(proxy_url: str, s3: S3, **config: Any) -> dict[str, Any]:
     # 5 MiB blocks (S3's smallest part): BIG goes up as a multipart upload of 3 parts.
     options = {**s3.storage_options, "endpoint_url": proxy_url, "skip_instance_cache": True,
                "default_block_size": 5 * 2**20}
@@ -56,7 +53,7 @@ def through(proxy_url: str, s3: S3, **config: Any) -> dict[str, Any]:  # noqa: F
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_transient_5xx_and_throttling_are_retried_and_the_save_succeeds(s3: S3, mode: str) -> None:  # noqa: F811
+def test_transient_5xx_and_throttling_are_retried_and_the_save_succeeds(s3: S3, mode: str) -> None:
     url = s3.fresh_prefix(f"throttled-{mode}") + "/last.ckpt"
     with faulty_proxy(s3.endpoint_url) as proxy:
         proxy.fail_next(503, 500, 503)
@@ -75,7 +72,7 @@ def upload_part_2(method: str, path: str) -> bool:
 @pytest.mark.parametrize("how", ["refuse", pytest.param("freeze", marks=pytest.mark.slow)])  # freeze: 7-20 s
 @pytest.mark.parametrize("mode", MODES)
 def test_a_server_gone_mid_upload_fails_the_save_in_bounded_time_and_keeps_the_previous(
-        s3: S3, mode: str, how: str) -> None:  # noqa: F811
+        s3: S3, mode: str, how: str) -> None:
     url = s3.fresh_prefix(f"gone-{mode}-{how}") + "/last.ckpt"
     save(tree(1.0), url, mode=mode, storage_options=s3.storage_options)
     before = {key: s3.read(s3.url(key)) for key in s3.keys(url.rsplit("/", 1)[0])}

@@ -28,10 +28,7 @@ from lightning_zero.checkpoint import (
     save,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_rank(one_rank: None) -> None:
-    pass
+pytestmark = pytest.mark.usefixtures("one_rank")  # one in-process gloo rank (tests/conftest.py)
 
 
 def _mount_tmpfs(where: Path, size: str) -> None:

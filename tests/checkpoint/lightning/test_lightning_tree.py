@@ -1,0 +1,117 @@
+"""Lightning's checkpoint dict and the ZeRO tree (checkpoint/lightning/lightning_tree.py): what
+``build_tree`` writes for each mode (the module's own tensors as they are, whatever the hooks replaced or
+added as copies, what they removed left out; the optimizer state only when Lightning asked for it; the
+trainer's part as one blob), and the functional resume that reads such a tree into a fresh engine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from checkpoint_cases import (
+    SAVED_AT_STEP,
+    TOTAL_STEPS,
+    assert_same_state,
+    build,
+    gather_full_state,
+    params,
+    train,
+)
+from torch import nn
+
+from lightning_zero.checkpoint import load_zero_state_dict, save, zero_state_dict
+from lightning_zero.checkpoint.lightning.lightning_tree import build_tree
+from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG, read_trainer_state
+
+# ---- save: the tree ----------------------------------------------------------------------------
+
+
+def test_a_full_tree_is_a_snapshot_of_what_the_fence_does_not_hold() -> None:
+    """A ``full`` save is written in the background while training goes on; only the parameters are held
+    still until staged. A callback's averaged weights (SWA, EMA) and hook-added tensors change in place
+    after the save was queued: the tree must hold their values at the save (a resumed SWA run once
+    differed from DDP's because the averages of a later epoch reached the file)."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    module = nn.Linear(3, 2)
+    average = torch.ones(2, 3)
+    added = torch.zeros(2)
+    checkpoint = {
+        "state_dict": {**module.state_dict(), "ema.weight": added},
+        "callbacks": {"StochasticWeightAveraging": {"average_model_state": {"weight": average}, "n_averaged": 2}},
+        "hyper_parameters": AttributeDict(lr=0.1),
+        "global_step": 4,
+    }
+    tree = build_tree(checkpoint, module, None, "full")
+    average.add_(1.0)
+    added.add_(1.0)
+    saved_average = tree["callbacks"]["StochasticWeightAveraging"]["average_model_state"]["weight"]
+    assert torch.equal(saved_average, torch.ones(2, 3))
+    assert torch.equal(tree["state_dict"]["ema.weight"], torch.zeros(2))
+    assert isinstance(tree["hyper_parameters"], AttributeDict) and tree["hyper_parameters"].lr == 0.1
+    # The module's parameters are the fenced state: the tree holds them themselves, no copy.
+    assert tree["state_dict"]["weight"].data_ptr() == module.weight.data_ptr()
+
+
+def test_a_sharded_tree_holds_the_state_dict_as_the_hooks_left_it() -> None:
+    """[Note: what a checkpoint holds]: a hook dropped ``0.weight`` (LoRA's frozen base), replaced ``1.bias``
+    and added ``ema.weight``; without an engine (a save outside fit) the weights are the module's own."""
+    module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    state_dict = module.state_dict()
+    del state_dict["0.weight"]
+    state_dict["1.bias"] = torch.full((1,), 5.0)
+    state_dict["ema.weight"] = torch.zeros(2)
+    trainer_part = {"epoch": 1, "global_step": 4, "loops": {"fit_loop": {"n": 4}}}
+    tree = build_tree({"state_dict": state_dict, **trainer_part}, module, None, "sharded")
+    params_by_name = dict(module.named_parameters())
+    assert sorted(tree["model"]) == ["0.bias", "1.bias", "1.weight", "ema.weight"]
+    for own in ("0.bias", "1.weight"):  # the module's tensors themselves, no copy
+        assert tree["model"][own].data_ptr() == params_by_name[own].data_ptr()
+    state_dict["ema.weight"].add_(1.0)  # the callback goes on changing its tensor after the save was queued
+    assert torch.equal(tree["model"]["ema.weight"], torch.zeros(2)) and tree["model"]["1.bias"].item() == 5.0
+    assert "optimizer" not in tree and tree[TREE_TAG] == "sharded"
+    assert read_trainer_state(tree["trainer"], "x") == trainer_part
+    assert tree[MARKER_FIELDS] == {"epoch": 1, "global_step": 4}
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_the_optimizer_state_is_in_the_tree_only_when_lightning_saved_it(one_rank: None, mode: str) -> None:
+    model, engine = build(0, 1)
+    train(model, engine, range(1), 0, 1)
+    with_optimizer = {"state_dict": model.state_dict(), "optimizer_states": [{}], "global_step": 1}
+    weights_only = {"state_dict": model.state_dict(), "global_step": 1}  # ModelCheckpoint(save_weights_only)
+    key = "optimizer" if mode == "sharded" else "optimizer_states"
+    assert key in build_tree(with_optimizer, model, engine, mode)
+    assert key not in build_tree(weights_only, model, engine, mode)
+    engine.close()
+
+
+# ---- load: the functional resume -------------------------------------------------------------------
+
+
+def resume_in_one_call(rank: int, world_size: int, root: str, mode: str) -> dict[str, Any]:
+    model, engine = build(rank, world_size)
+    train(model, engine, range(SAVED_AT_STEP), rank, world_size)
+    save(zero_state_dict(engine, model), f"{root}/step.ckpt", mode=mode)
+    saved = gather_full_state(engine)
+    train(model, engine, range(SAVED_AT_STEP, TOTAL_STEPS), rank, world_size)
+    uninterrupted = params(model)
+    fresh_model, fresh = build(rank, world_size, perturb=1.0)  # no optimizer state yet, other weights
+    load_zero_state_dict(fresh, fresh_model, f"{root}/step.ckpt")
+    loaded = gather_full_state(fresh)
+    train(fresh_model, fresh, range(SAVED_AT_STEP, TOTAL_STEPS), rank, world_size)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": params(fresh_model)}
+
+
+@pytest.mark.parametrize("mode", ["local", "sharded", "full"])
+def test_functional_resume_restores_a_fresh_engine_in_one_call(tmp_path: Path, mode: str) -> None:
+    for rank, result in enumerate(run_distributed(resume_in_one_call, 2, str(tmp_path), mode,
+                                                  start_method="forkserver")):
+        assert_same_state(result["loaded"], result["saved"], f"rank {rank}")
+        for name, value in result["uninterrupted"].items():
+            assert torch.equal(result["resumed"][name], value), f"rank {rank}: {name}"
+    assert os.listdir(tmp_path)
