@@ -7,7 +7,7 @@ matplotlib is not a dependency of the project; it goes into a venv of its own (g
     .plots-venv/bin/python bench/plots.py --check    # only the check (needs no matplotlib)
 
 Every number drawn is a figure of ``current.json``, and every figure there is a cell of a table of
-``BENCHMARKS.md`` (``disagreements``; ``tests/test_bench_plots.py`` runs it without matplotlib). The ratios
+``BENCHMARKS.md`` (``disagreements``; ``tests/bench/test_bench_plots.py`` runs it without matplotlib). The ratios
 written on the plots are the JSON's ratio columns, checked against the figures they divide, not recomputed
 here. A new run changes BENCHMARKS.md's table and ``current.json`` together; then redraw.
 

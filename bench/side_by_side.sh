@@ -18,6 +18,9 @@ OUT="$PWD/bench/out/side_by_side"
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 trap 'for d in "$WORK"/*; do git worktree remove --force "$d" >/dev/null 2>&1 || true; done; rm -rf "$WORK"' EXIT
+if [ "$(git rev-parse "$BASE")" = "$(git rev-parse "$HEAD_REF")" ]; then
+  echo "BASE and HEAD are the same commit" >&2; exit 2
+fi
 for ref in "$BASE" "$HEAD_REF"; do
   git worktree add --detach -q "$WORK/$(git rev-parse --short "$ref")" "$ref"
 done

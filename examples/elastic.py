@@ -113,16 +113,22 @@ class Report(Callback):
         load = trainer.strategy.checkpoint_io.last_load
         if load is not None and load.first_step_s is None:
             return  # the package completes the recovery's timeline at the first step (its callback runs after)
+        self.report(trainer, load)
+
+    def report(self, trainer: Trainer, load) -> None:  # noqa: ANN001
         self.written = True
         done = time.time() if load is None else load.ended_at + load.first_step_s
         report = {"restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "world_size": trainer.world_size,
                   "process_started": STARTED, "first_step_done": done,
-                  "first_step": trainer.global_step if load is None else load.step + 1,
+                  "first_step": trainer.global_step if load is None or load.step is None else load.step + 1,
                   "last_load": dataclasses.asdict(load) if load is not None else None,
                   "failure_to_step_s": load.failure_to_step_s if load is not None else None}
         self.write(report)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        load = trainer.strategy.checkpoint_io.last_load
+        if trainer.is_global_zero and not self.written and (load is None or load.first_step_s is not None):
+            self.report(trainer, load)  # the run ended at the first step after its resume
         if trainer.is_global_zero:
             self.write({"final_step": trainer.global_step}, suffix="end")
 

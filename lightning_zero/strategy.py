@@ -486,7 +486,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._set_up_model(trainer)  # [Note: restore before on_fit_start]
             self._set_up_early = True
         # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
-        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/resume.py).
+        # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/hook_weights.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
         resume = TrainerResume(
             strategy=self, module=module, engine=self._engine,
@@ -522,7 +522,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         assert module is not None
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None and self._engine is not None:
-            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/resume.py).
+            # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/hook_weights.py).
             apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
                                                self._may_lack(module))
             publish(self._engine, module)

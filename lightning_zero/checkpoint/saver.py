@@ -55,8 +55,6 @@ if TYPE_CHECKING:  # the local tier's save, built by the plugin (tiered/ sits be
 log = logging.getLogger(__name__)
 
 
-
-
 # ---- public functional API ----------------------------------------------------------------
 
 
@@ -154,8 +152,9 @@ def link(checkpoint_id: str, link_id: str, storage_options: dict[str, Any] | Non
 def remove_incomplete(directory: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """(one process, after the saves of this process finished) Delete the leftovers of saves that
     never committed in ``directory`` (a job killed mid-save): data versions no commit marker names and
-    temporary files of interrupted writes; every committed checkpoint is kept. The next successful save of the same name does this for
-    that name by itself; this is for names that are never saved again (``epoch=...`` files)."""
+    temporary files of interrupted writes; every committed checkpoint is kept. The next successful save
+    of the same name does this for that name by itself; this is for names that are never saved again
+    (``epoch=...`` files)."""
     maybe_finalize_async_calls(blocking=True)
     return cleanup.remove_incomplete(storage.resolve(directory, storage_options))
 

@@ -25,6 +25,7 @@ from client_cases import WEIGHTS_ONLY_RUNS, weights_only_resumes
 from lightning_zero.checkpoint import CheckpointCorruptError, read_lightning_checkpoint
 
 pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parents[1]  # the convert command unpickles client_cases from there
 
 
 @functools.cache
@@ -60,10 +61,10 @@ def test_convert_honours_no_weights_only(root: str, tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError, match="TypeKeyedState"):
         read_lightning_checkpoint(source)
     command = [sys.executable, "-m", "lightning_zero", "convert", source, str(tmp_path / "out.ckpt")]
-    refused = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent)
+    refused = subprocess.run(command, capture_output=True, text=True, cwd=TESTS)
     assert refused.returncode == 1 and "--no-weights-only" in refused.stderr, refused.stderr
     trusted = subprocess.run([*command, "--no-weights-only"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent)
+                             cwd=TESTS)
     assert trusted.returncode == 0, trusted.stderr
     content = torch.load(tmp_path / "out.ckpt", weights_only=False)
     assert [v for k, v in content["callbacks"].items() if "TypeKeyedState" in str(k)] == [{"state": 111}]

@@ -72,8 +72,6 @@ class FlatChunk:
         return f"FlatChunk(numel={self.numel}, offset={self.offset}, local={self.local.numel()})"
 
 
-
-
 # [Note: no collections while planning]
 # DCP's plans and `.metadata` are millions of small objects at scale (1.2M items at 1024 ranks of
 # a 291-tensor model, each a dataclass holding torch.Size values). Building them (the coordinator's

@@ -38,6 +38,7 @@ class CheckpointMetrics(Callback):
     def __init__(self, prefix: str = METRIC_PREFIX, prog_bar: bool = False) -> None:
         self.prefix = prefix
         self.prog_bar = prog_bar
+        self._start_step = 0
 
     def _log_committed(self, trainer: Trainer, pl_module: LightningModule, in_step: bool) -> None:
         committed = checkpointer().take_committed()
@@ -58,8 +59,7 @@ class CheckpointMetrics(Callback):
         """The first optimizer step after a resume through the local tier's choice completes the recovery's
         timeline ([Note: a recovery's timeline] in runtime/stats.py); rank 0 logs it once."""
         io = trainer.strategy.checkpoint_io
-        load = io.last_load if isinstance(io, ZeroCheckpointIO) else None
-        if load is None or load.first_step_s is not None or trainer.global_step <= (load.step or 0):
+        if not isinstance(io, ZeroCheckpointIO) or not io.timeline_open or trainer.global_step <= self._start_step:
             return
         done = io.record_first_step()
         if done is None or not trainer.is_global_zero:
@@ -73,6 +73,10 @@ class CheckpointMetrics(Callback):
         rank_zero_info(f"Recovered at step {trainer.global_step} from the {done.tier} tier"
                        + (f" {whole:.3f} s after the newest local-tier save" if whole is not None else "")
                        + f": {', '.join(parts)}; {done.steps_lost} checkpointed step(s) lost.")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start_step = trainer.global_step  # the step resumed at, whichever checkpoint gave it
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

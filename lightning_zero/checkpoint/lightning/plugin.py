@@ -69,6 +69,7 @@ class ZeroCheckpointIO(CheckpointIO):
         self._local_rank = 0
         self.tiered_last: list[str] | None = None  # set by the ckpt_path="last" lookup: the durable candidates
         self.last_load: TierLoad | None = None
+        self._timeline_open = False  # training thread only: record_load opens it, the first step or teardown closes it
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
         self.tuning = tuning or DEFAULT_TUNING
@@ -191,6 +192,7 @@ class ZeroCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
+        self._timeline_open = False  # a run that took no step after its resume (validate, max_steps reached)
         self.finalize()
         self.persist_newest()
         if self.local_tier is not None:  # [Note: spare tier files]
@@ -224,10 +226,14 @@ class ZeroCheckpointIO(CheckpointIO):
         started = process_started_at()
         restart_s = startup_s = None
         if started is not None:
-            startup_s = max(began - started, 0.0)
+            # A process already running at the newest save (a resume in the same process) has no restart:
+            # its startup is then counted from that save, so the parts still add up to the time since it.
+            since = started if choice.last_saved_at is None else max(started, choice.last_saved_at)
+            startup_s = max(began - since, 0.0)
             if choice.last_saved_at is not None:
                 restart_s = max(started - choice.last_saved_at, 0.0)
         count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        self._timeline_open = True
         self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason, step=choice.step,
                                   choose_s=choice.choose_s, reshard_s=choice.reshard_s, load_s=load_s,
                                   steps_lost=choice.steps_lost, resharded_from=choice.resharded_from,
@@ -247,10 +253,16 @@ class ZeroCheckpointIO(CheckpointIO):
         """(every rank, after the first optimizer step that follows a resume through :meth:`resolve_last`)
         Complete ``last_load``'s timeline; returns it the first time, None after (or without a resume)."""
         load = self.last_load
-        if load is None or load.first_step_s is not None:
+        if load is None or not self._timeline_open:
             return None
+        self._timeline_open = False
         self.last_load = replace(load, first_step_s=max(time.time() - load.ended_at, 0.0))
         return self.last_load
+
+    @property
+    def timeline_open(self) -> bool:
+        """A resume through :meth:`resolve_last` happened in this run and no step has completed after it yet."""
+        return self._timeline_open
 
     def release(self) -> None:
         """(every rank, after the last save was finalized) End the worker thread and the coordination

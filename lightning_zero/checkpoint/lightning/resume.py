@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -256,17 +256,17 @@ class TrainerResume:
         started = time.perf_counter()
         choice = io.resolve_last(shard_group_size) if io is not None else None
         if choice is not None and choice.tier == "local":
-            result = self.from_local_tier(choice)
+            loaded, result = self.from_local_tier(choice)
         else:
-            _, result = load_with_fallback(choice.path if choice is not None else path, self.options, self.load_one,
-                                           self.agree, rank_zero_warn)
+            loaded, result = load_with_fallback(choice.path if choice is not None else path, self.options,
+                                                self.load_one, self.agree, rank_zero_warn)
         if choice is not None and io is not None:
-            io.record_load(choice, time.perf_counter() - started)
+            io.record_load(as_loaded(choice, loaded, result), time.perf_counter() - started)
         return result
 
-    def from_local_tier(self, choice: TierChoice) -> dict[str, Any]:
+    def from_local_tier(self, choice: TierChoice) -> tuple[str, dict[str, Any]]:
         """A resume from the local tier (every rank its own node's path), or, if it fails on any rank, from
-        the durable tier with a warning."""
+        the durable tier with a warning. Returns the path loaded and Lightning's part."""
         error: BaseException | None = None
         result: dict[str, Any] = {}
         try:
@@ -274,11 +274,23 @@ class TrainerResume:
         except Exception as exc:  # every rank reaches the agreement below
             error = exc
         if self.agree(error is None):
-            return result
+            return choice.path, result
         if choice.durable is None:
             raise error if error is not None else RuntimeError(
                 f"Loading the local-tier checkpoint {choice.path!r} failed on another rank; see its error.")
         rank_zero_warn(f"Loading the local-tier checkpoint {choice.path!r} failed ({error or 'on another rank'});"
                        f" resuming from the durable tier, {choice.durable!r}.")
-        _, result = load_with_fallback(choice.durable, self.options, self.load_one, self.agree, rank_zero_warn)
-        return result
+        return load_with_fallback(choice.durable, self.options, self.load_one, self.agree, rank_zero_warn)
+
+
+def as_loaded(choice: TierChoice, loaded: str, result: dict[str, Any]) -> TierChoice:
+    """``choice`` as the resume turned out: when another checkpoint than the chosen one loaded (the local
+    tier failed on some rank and the durable one was read, or a damaged one gave way to an older sibling),
+    its tier, path and step are those of the one loaded, and the steps lost count from it."""
+    if loaded == choice.path:
+        return choice
+    step = result.get("global_step")
+    step = step if isinstance(step, int) else None
+    lost = choice.steps_lost + (choice.step - step) if step is not None and choice.step is not None else choice.steps_lost
+    return replace(choice, tier="durable", path=loaded, step=step, steps_lost=lost, resharded_from=None,
+                   reason=f"{choice.reason}; it failed to load, and {loaded!r} was loaded instead")

@@ -22,7 +22,9 @@ Fork: a forked child inherits the parent's objects but none of its threads. The 
 state; the parent's is kept referenced (``inherited``), never destroyed there: a process group's destructor
 would wait for threads that do not exist in the child, and a worker thread made in the parent (Lightning's
 spawn launcher removes its weights file through the plugin) would leave the child's first save queued
-forever. A collector paused by a thread of the parent is turned back on in the child."""
+forever. A collector paused by a thread of the parent is turned back on in the child. The ranks on this node
+are forgotten too: the child's strategy setup says them again. (One handler stays module-level on purpose:
+the scheduler's at-exit finish, registered once per process and inherited across a fork.)"""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import gc
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,19 +88,24 @@ def reset() -> None:
     still exists), DCP's save-plan caches emptied."""
     global _STATE
     old = _STATE
-    if old.checkpointer is not None:
-        try:
-            old.checkpointer.finalize(blocking=True)
-        except Exception:  # noqa: BLE001 - a test's failed save; the test saw it or meant it
-            pass
-        old.checkpointer.shut_down()
-    if old.coordination_group is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group(old.coordination_group)
-    for cache in _compat.save_planner_caches():
-        cache.clear()
-    if old.gc_pauses and old.gc_was_enabled:
-        gc.enable()
-    _STATE = CheckpointProcess()
+    try:
+        if old.checkpointer is not None:
+            try:
+                old.checkpointer.finalize(blocking=True)
+            except Exception:  # noqa: BLE001 - a test's failed save; the test saw it or meant it
+                pass
+            old.checkpointer.shut_down()
+        if old.coordination_group is not None and dist.is_available() and dist.is_initialized():
+            with suppress(ValueError, RuntimeError):  # a group of a world destroyed and made again since
+                dist.destroy_process_group(old.coordination_group)
+        for cache in _compat.save_planner_caches():
+            cache.clear()
+    finally:
+        with old.gc_lock:  # a pause still open on the old state ends with it
+            if old.gc_pauses and old.gc_was_enabled:
+                old.gc_pauses = 0
+                gc.enable()
+        _STATE = CheckpointProcess()
 
 
 @contextmanager

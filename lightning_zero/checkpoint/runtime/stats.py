@@ -88,10 +88,9 @@ def process_started_at() -> float | None:
     try:
         with open("/proc/self/stat") as stat:
             ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
-        with open("/proc/uptime") as uptime:
-            up = float(uptime.read().split()[0])
-        return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        # starttime counts from the host's boot, as CLOCK_BOOTTIME does (a container's /proc/uptime may not).
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
@@ -100,7 +99,7 @@ def process_started_at() -> float | None:
 #   restart   the newest local-tier save (the last moment the previous run is known to have been training,
 #             the coordinator's wall clock in its marker) -> this worker process's start: detecting the
 #             failure, torch elastic's re-rendezvous (or the scheduler's requeue) and the spawn. It includes
-#             the training done after that save and lost, up to one save interval; 0 when this process was
+#             the training done after that save started and lost, about one save interval; 0 when this process was
 #             already running at that save (a resume in the same process).
 #   startup   process start -> the resume begins: imports, the process group, the model's setup.
 #   choose, reshard, load   as measured by the resume itself (monotonic clock).

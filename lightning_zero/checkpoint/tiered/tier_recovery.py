@@ -58,11 +58,11 @@ class TierChoice:
     steps_lost: int = 0
     """Checkpointed steps not recovered: the newest step any tier holds (complete or not) minus this one."""
     moved: dict[str, int] = field(default_factory=dict)
+    """A reshard's bytes: read from this node (``read_bytes``), received from and sent to other nodes."""
     last_saved_at: float | None = None
     """Wall-clock time (``time.time()``, the coordinator's) of the newest local-tier save on any node,
     complete or not: the last moment the previous run is known to have been training ([Note: a recovery's
     timeline] in runtime/stats.py). None when the local tier holds no checkpoint."""
-    """A reshard's bytes: read from this node (``read_bytes``), received from and sent to other nodes."""
 
 
 def _inventory(root: str) -> list[dict[str, Any]]:

@@ -237,3 +237,42 @@ def test_a_slow_worker_across_persistence_and_teardown_loses_nothing_and_persist
         assert torch.load(tmp_path / "durable" / name, weights_only=True)["global_step"] == int(name[-6])
     local = sorted(os.path.basename(p) for p, _ in tier_markers(str(tmp_path / "local" / "node0")))
     assert local == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt"]  # keep=2
+
+
+def test_a_local_tier_checkpoint_that_fails_to_load_is_recorded_as_the_durable_one_loaded_instead(tmp_path):
+    # Step 3 is on both tiers (the last save of fit is persisted); its local rank file is damaged after the
+    # choice is made, so the load fails, the durable step 3 loads, and last_load says so.
+    _trainer(tmp_path, steps=3, persist_every=2).fit(NetModule(), loader(5, 1, 1))
+    root = tmp_path / "local" / "node0"
+    rank_files = [p for p in (root / "_zero_data" / "epoch=0-step=3.ckpt").rglob("*") if p.is_file()
+                  and p.stat().st_size > 1000]
+    assert rank_files
+    for path in rank_files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    again = _trainer(tmp_path, steps=5, persist_every=2)
+    kept = _Metrics()
+    again.loggers = [kept]
+    with pytest.warns(UserWarning, match="resuming from the durable tier"):
+        again.fit(NetModule(), loader(5, 1, 1), ckpt_path="last")
+    load = again.strategy.checkpoint_io.last_load
+    assert load.tier == "durable" and load.path.startswith(str(tmp_path / "durable")) and load.step == 3, load
+    assert "was loaded instead" in load.reason
+    # The timeline closes at the first step after the step actually resumed (3), once.
+    recovery = [(step, m) for step, m in kept.logged if "checkpoint/recovery/tier" in m]
+    assert [(step, m["checkpoint/recovery/tier"]) for step, m in recovery] == [(4, 1.0)]
+
+
+def test_a_checkpoint_loaded_in_place_of_the_chosen_one_counts_its_steps_lost_from_itself():
+    from lightning_zero.checkpoint.lightning.resume import as_loaded
+    from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
+
+    chosen = TierChoice("/tier/step=8.ckpt", "local", "/durable/step=5.ckpt", "local tier: newest", step=8,
+                        resharded_from=4, steps_lost=1)
+    assert as_loaded(chosen, chosen.path, {"global_step": 8}) is chosen
+    fell_back = as_loaded(chosen, "/durable/step=5.ckpt", {"global_step": 5})
+    assert (fell_back.tier, fell_back.path, fell_back.step, fell_back.steps_lost, fell_back.resharded_from) == (
+        "durable", "/durable/step=5.ckpt", 5, 4, None)
+    unknown = as_loaded(chosen, "/durable/other.ckpt", {})
+    assert unknown.step is None and unknown.steps_lost == 1
