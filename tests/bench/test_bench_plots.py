@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench"
 
 
 @pytest.fixture(scope="module")
-def plots() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import plots as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+def plots(bench_import: Any) -> Any:
+    return bench_import("plots")
 
 
 @pytest.fixture(scope="module")

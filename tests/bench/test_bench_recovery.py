@@ -4,23 +4,14 @@ its options, the step time read from the SAVED lines, and the report's rows and 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def recovery() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import recovery as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+def recovery(bench_import: Any) -> Any:
+    return bench_import("recovery")
 
 
 def test_help_names_the_persist_interval_and_the_durable_directory(recovery: Any,

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,13 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def scale() -> object:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import scale as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+def scale(bench_import: Any) -> Any:
+    return bench_import("scale")
 
 
 def test_the_planning_simulation_plans_every_element_once_and_each_replicated_tensor_once(scale: object) -> None:
