@@ -10,8 +10,9 @@
 # the medians). Used to show that a change that moves code leaves the figures within noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${1:?usage: bench/side_by_side.sh BASE HEAD [ROUNDS]}
-HEAD_REF=${2:?usage: bench/side_by_side.sh BASE HEAD [ROUNDS]}
+# Both refs resolved once: a commit made while this runs does not change what is compared.
+BASE=$(git rev-parse --short "${1:?usage: bench/side_by_side.sh BASE HEAD [ROUNDS]}")
+HEAD_REF=$(git rev-parse --short "${2:?usage: bench/side_by_side.sh BASE HEAD [ROUNDS]}")
 ROUNDS=${3:-2}
 PY="$PWD/.venv/bin/python"
 OUT="$PWD/bench/out/side_by_side"
