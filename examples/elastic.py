@@ -57,19 +57,9 @@ from lightning_zero import (  # noqa: E402
     ZeroCheckpointIO,
     ZeroLowLevelStrategy,
 )
+from lightning_zero.checkpoint.runtime.stats import process_started_at  # noqa: E402
 
-
-def _process_start() -> float:
-    """When this process started (Linux: from /proc, before any import), else now."""
-    try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-STARTED = _process_start()  # this process's start (the report's worker start)
+STARTED = process_started_at() or time.time()  # this process's start (the report's worker start)
 
 
 class Regression(Dataset):

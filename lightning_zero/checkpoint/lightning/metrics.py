@@ -59,9 +59,9 @@ class CheckpointMetrics(Callback):
         """The first optimizer step after a resume through the local tier's choice completes the recovery's
         timeline ([Note: a recovery's timeline] in runtime/stats.py); rank 0 logs it once."""
         io = trainer.strategy.checkpoint_io
-        if not isinstance(io, ZeroCheckpointIO) or not io.timeline_open or trainer.global_step <= self._start_step:
+        if not isinstance(io, ZeroCheckpointIO) or trainer.global_step <= self._start_step:
             return
-        done = io.record_first_step()
+        done = io.record_first_step()  # None without a resume, or once the timeline is complete
         if done is None or not trainer.is_global_zero:
             return
         for logger in trainer.loggers:

@@ -242,12 +242,10 @@ class ZeroCheckpointIO(CheckpointIO):
         making = ("" if choice.tier != "local" else
                   f"resharding from {choice.resharded_from} ranks {choice.reshard_s:.3f} s, " if choice.resharded_from
                   else f"fetching lost files {choice.reshard_s:.3f} s, ")
-        before = "" if restart_s is None else f" {restart_s:.3f} s after the newest local-tier save, and"
-        after_start = "" if startup_s is None else f" {startup_s:.3f} s after this process started;"
         rank_zero_info(f"Resumed from the {choice.tier} tier ({choice.path!r}) at step {choice.step} in"
                        f" {seconds:.3f} s (choosing {choice.choose_s:.3f} s, {making}loading {load_s:.3f} s;"
-                       f" {choice.steps_lost} checkpointed step(s) lost). The resume began{before}{after_start}"
-                       " the timeline is logged after the first step.")
+                       f" {choice.steps_lost} checkpointed step(s) lost); the whole recovery is logged after the"
+                       " first step.")
 
     def record_first_step(self) -> TierLoad | None:
         """(every rank, after the first optimizer step that follows a resume through :meth:`resolve_last`)
@@ -258,11 +256,6 @@ class ZeroCheckpointIO(CheckpointIO):
         self._timeline_open = False
         self.last_load = replace(load, first_step_s=max(time.time() - load.ended_at, 0.0))
         return self.last_load
-
-    @property
-    def timeline_open(self) -> bool:
-        """A resume through :meth:`resolve_last` happened in this run and no step has completed after it yet."""
-        return self._timeline_open
 
     def release(self) -> None:
         """(every rank, after the last save was finalized) End the worker thread and the coordination
