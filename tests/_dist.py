@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -13,6 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+CONSOLE = os.path.join(os.path.dirname(sys.executable), "lightning-zero")
+"""The console command as pip installed it beside the interpreter running the tests (a venv's bin/, or a
+system's), which is where a user's shell finds it: not a path assumed under the repository."""
 
 
 def free_port() -> int:

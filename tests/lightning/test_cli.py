@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from _dist import CONSOLE
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/tiny_gpt.yaml"
@@ -29,7 +30,7 @@ SMALL_MODEL = ["--model.init_args.width", "32", "--model.init_args.depth", "1", 
 
 def lightning_zero(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), *args], cwd=REPO, env=env,
+    done = subprocess.run([CONSOLE, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"lightning-zero {' '.join(args)} exited {done.returncode}:\n{output[-4000:]}"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 import yaml
+from _dist import CONSOLE
 
 if TYPE_CHECKING:
     from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
@@ -41,7 +42,7 @@ def every_step(config: str, tmp_path: Path, every: list[int]) -> Path:
 def lightning_zero(config: Path, root: Path, *args: str, env: dict[str, str] | None = None) -> str:
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     environment.update(env or {})
-    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), "fit", "--config", str(config),
+    done = subprocess.run([CONSOLE, "fit", "--config", str(config),
                            "--trainer.max_steps", str(STEPS), "--trainer.default_root_dir", str(root), *SMALL_MODEL,
                            "--trainer.enable_model_summary", "false", *args],
                           cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)

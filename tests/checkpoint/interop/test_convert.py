@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from _dist import CONSOLE
 from checkpoint_cases import assert_same_weights, fit, make_trainer
 from hf_cases import GPT2Module, fixed_input, token_loader
 from lightning.pytorch import Trainer
@@ -219,7 +220,7 @@ def test_console_convert_as_a_user_types_it(net_run: Any, tmp_path: Path) -> Non
     ckpts, trained = net_run("sharded")
     out = tmp_path / "model.ckpt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), "convert", str(ckpts / "last.ckpt"), str(out)],
+    done = subprocess.run([CONSOLE, "convert", str(ckpts / "last.ckpt"), str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert str(out) in done.stdout
@@ -237,7 +238,7 @@ def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, 
     out = tmp_path / "model.ckpt"
     # Credentials and endpoint from the environment (AWS_*, as conftest.py exports them), as a user has them.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), "convert", f"{prefix}/last.ckpt", str(out)],
+    done = subprocess.run([CONSOLE, "convert", f"{prefix}/last.ckpt", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_same_weights(torch.load(out, weights_only=True)["state_dict"], trained, "convert from s3://")

@@ -112,7 +112,9 @@ def test_torchs_tool_reads_a_sharded_checkpoints_data_folder_which_the_marker_na
     marker = ours["root"] / "ours.ckpt"
     with pytest.raises(CheckpointException) as failure:
         dcp_to_torch_save(str(marker), str(tmp_path / "no.pt"))
-    assert "Not a directory" in repr(failure.value.failures)  # the marker is a file, no DCP folder
+    # The marker is a file, not a DCP folder: torch's reader fails on it (each torch words its error its own
+    # way, "Not a directory" on 2.13, another on 2.9) and writes nothing.
+    assert marker.is_file() and failure.value.failures and not (tmp_path / "no.pt").exists()
     data = marker.parent / torch.load(marker, weights_only=True)["lightning_zero"]["data"]
     dcp_to_torch_save(str(data), str(tmp_path / "ours.pt"))
     content = torch.load(tmp_path / "ours.pt", weights_only=True)

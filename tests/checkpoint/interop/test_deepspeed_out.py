@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_distributed
+from _dist import CONSOLE, run_distributed
 from dcp_out_cases import train_ours
 from deepspeed_cases import FIXTURES
 
@@ -355,7 +355,7 @@ def test_the_convert_command_writes_a_folder_and_refuses_with_the_message(
 
 @pytest.mark.slow
 def test_the_console_command_refuses_fp16_with_exit_1_and_no_traceback(tmp_path: Path) -> None:
-    done = subprocess.run([str(REPO / ".venv/bin/lightning-zero"), "convert", str(FIXTURES / "zero2-fp16" /
+    done = subprocess.run([CONSOLE, "convert", str(FIXTURES / "zero2-fp16" /
                            "lightning.ckpt"), str(tmp_path / "out"), "--to", "deepspeed", "--world-size", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
