@@ -51,7 +51,7 @@ from lightning_zero.checkpoint import (
     wait_for_staging,
     zero_state_dict,
 )
-from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree
+from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree, plain_fabric_tree
 from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.optimizer import ZeroOptimizer
@@ -297,7 +297,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """(every rank) ``state`` holds one module set up with its optimizers (``"model": model``), any of them
         (``"optimizer": optimizer``; in ``local``/``sharded`` mode one brings the state of every optimizer of the
-        module, in ``full`` mode each is written under its own key; with none, no optimizer state) and any other values, which go into the checkpoint as they are (objects
+        module, in ``full`` mode each is written under its own key; with none, the plain file Fabric's DDP writes, in every mode) and any other values, which go into the checkpoint as they are (objects
         with ``state_dict()``: their state dict).
 
         In ``full`` mode the file is the one Fabric's DDP writes (the state's keys at the top, ``ckpt["model"]``
@@ -324,13 +324,22 @@ class ZeroLowLevelStrategy(DDPStrategy):
         blob = _to_blob(rest)  # refuses what would not load back
         wait_for_staging()  # a save still copying the masters finishes before they are written again
         engine.adopt_module_writes()  # weights written into the module are what is saved
+        options = {**io.storage_options, **(storage_options or {})}
+        write = async_save if io.async_save else save
+        if not saved_optimizers:
+            # No optimizer state: the file Fabric's DDP writes, in every mode ([Note: model-only saves] in
+            # checkpoint/lightning/lightning_tree.py): the state as given, the module as its state_dict().
+            tree = plain_fabric_tree([(key, rest.get(key)) for key in state], module_key, module, engine,
+                                     keep=filter.get(module_key))
+            write(tree, os.fspath(path), mode="full", storage_options=options, plain=True)
+            if io.async_save:
+                io.note_blocked(time.perf_counter() - called)
+            return
         # [Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py: a full file is what Fabric's DDP writes.
         tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
                            self._meta[module], blob, keep=filter.get(module_key))
-        options = {**io.storage_options, **(storage_options or {})}
         # Lightning's fields, where readers of its files look for them (and each save's figures take the step).
         fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
-        write = async_save if io.async_save else save
         write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
         if io.async_save:
             io.note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too

@@ -415,7 +415,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         """(every rank) Hand this rank's sharded state to the checkpoint plugin.
 
         Works during and after ``fit`` (optimizer state included) and after ``validate``/``test``/
-        ``predict`` or before any fit (weights only: no optimizer exists then). A save outside the
+        ``predict`` or before any fit. A save without optimizer state (``save_weights_only``, or no
+        optimizer exists) is the plain file DDP writes, whatever the mode. A save outside the
         training loop returns once committed, as nothing would finalize it later."""
         io = self.checkpoint_io
         module = self.lightning_module
@@ -425,11 +426,15 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # gathers are still running (a save from on_train_batch_end): their parameters were
             # not read since, so only in-place writes can have happened.
             self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
+        with_optimizer = lightning_tree.holds_optimizer_state(checkpoint, self._engine)
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
-            io.save_checkpoint(lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta()), filepath,
-                               storage_options)
-            if io.mode == "full":
+            # Without optimizer state (save_weights_only, a save outside fit) the file DDP writes, in every mode
+            # ([Note: model-only saves] in checkpoint/lightning/lightning_tree.py).
+            tree = (lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
+                    if with_optimizer else lightning_tree.plain_tree(checkpoint, module, self._engine))
+            io.save_checkpoint(tree, filepath, storage_options)
+            if io.mode == "full" or not with_optimizer:
                 # A full file holds the module's own parameters, which the hooks that run before the next
                 # step may change in place (SWA puts its average in at train end): its copy ends here.
                 # local/sharded hold the masters, which only the fenced update changes.
@@ -439,8 +444,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 io.finalize()
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0,
-        # gathered on the training group, this thread.
-        whole = lightning_tree.gather_full_checkpoint(checkpoint, module, self._engine, self._saved_meta())
+        # gathered on the training group, this thread; without optimizer state, Lightning's dict as it is.
+        whole = (lightning_tree.gather_full_checkpoint(checkpoint, module, self._engine, self._saved_meta())
+                 if with_optimizer else checkpoint)
         if self.is_global_zero:
             io.save_checkpoint(whole, filepath, storage_options=storage_options)
 

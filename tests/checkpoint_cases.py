@@ -286,15 +286,18 @@ def local_save_collectives(rank: int, world_size: int, root: str) -> dict[str, l
 
 def make_trainer(mode: str, dirpath: str | Path, max_epochs: int, *, start_method: str = "forkserver",
                  strategy: Any = None, storage_options: dict[str, Any] | None = None,
-                 checkpointing: bool = True) -> Trainer:
+                 checkpointing: bool = True, callbacks: list[Any] | None = None, async_save: bool = True) -> Trainer:
     """2 CPU ranks of ZeRO-2 over ``loader(2, 1, 2)`` (2 steps an epoch), checkpointing every epoch
-    and ``last`` to ``dirpath`` through ``ZeroCheckpointIO(mode)``."""
+    and ``last`` to ``dirpath`` through ``ZeroCheckpointIO(mode)``; ``callbacks`` in place of that
+    ModelCheckpoint."""
     return Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy or ZeroLowLevelStrategy(stage=2, start_method=start_method),  # type: ignore[arg-type]
-        plugins=[ZeroCheckpointIO(mode=mode, storage_options=storage_options)],  # type: ignore[arg-type]
-        callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True)] if checkpointing else [],
+        plugins=[ZeroCheckpointIO(mode=mode, storage_options=storage_options,  # type: ignore[arg-type]
+                                  async_save=async_save)],
+        callbacks=(callbacks if callbacks is not None
+                   else [ModelCheckpoint(dirpath=str(dirpath), save_last=True)] if checkpointing else []),
         enable_checkpointing=checkpointing,
         max_epochs=max_epochs,
         use_distributed_sampler=False,

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
                storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
                process_group: Any = None, coordinator_rank: int | None = None,
-               tuning: CheckpointTuning | None = None, tier: TierSave | None = None) -> None:
+               tuning: CheckpointTuning | None = None, tier: TierSave | None = None, plain: bool = False) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
@@ -72,10 +72,14 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ``process_group`` (a gloo group; default: every rank) and ``coordinator_rank`` (a global rank in
     it; default: its lowest) as in SageMaker's API: only the group's ranks save, as a unit (e.g. one
     replica group), and the coordinator commits. ``local`` and ``sharded`` only: ``full`` gathers to
-    rank 0 of the whole world. ``tuning``: the I/O knobs (:class:`CheckpointTuning`)."""
+    rank 0 of the whole world. ``tuning``: the I/O knobs (:class:`CheckpointTuning`). ``plain`` (``full`` only): the
+    file is ``state_dict`` exactly, as ``torch.save`` writes it, without this package's integrity header (a save
+    without optimizer state: [Note: model-only saves] in lightning/lightning_tree.py)."""
     called = time.perf_counter()
     validate_mode(mode)
     team = make_team(process_group, coordinator_rank)
+    if plain and mode != "full":
+        raise ValueError(f"plain=True writes one file: it takes mode='full', got {mode!r}.")
     if mode == "full" and not team.default:
         raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
                          " or use mode='sharded' for a group of ranks.")
@@ -86,7 +90,8 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier)
+    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier,
+                   plain=plain)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -94,10 +99,10 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
 def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
          storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
          process_group: Any = None, coordinator_rank: int | None = None,
-         tuning: CheckpointTuning | None = None) -> None:
+         tuning: CheckpointTuning | None = None, plain: bool = False) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
     async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields,
-               process_group=process_group, coordinator_rank=coordinator_rank, tuning=tuning)
+               process_group=process_group, coordinator_rank=coordinator_rank, tuning=tuning, plain=plain)
     maybe_finalize_async_calls(blocking=True)
 
 
@@ -193,6 +198,7 @@ class _SaveJob:
     signatures: list[Any] = field(default_factory=list)
     planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
     tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
+    plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
 
     def run(self, staged: threading.Event) -> None:
         try:
@@ -299,7 +305,8 @@ class _SaveJob:
                 self.planned_bytes = sharded.write_sharded(self.state, loc, self.version_dir, team, self.save_id,
                                                            self.signatures, self.tuning)
             else:
-                full.write_full(self.state, loc, team.rank, team.group, self.save_id, self.tuning)
+                full.write_full(self.state, loc, team.rank, team.group, self.save_id, self.tuning,
+                                header=not self.plain)
         except Exception as exc:  # reported to every rank below, raised at the next finalize
             self.error = f"rank {team.rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
         errors = [e for e in all_gather_objects(self.error, team.group) if e]

@@ -15,6 +15,9 @@ from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 
 TREE_TAG = "lightning_zero"
 """Key of the mode in a tree built by :func:`build_tree` (the plugin checks it)."""
+PLAIN = "plain"
+"""The tag (under :data:`TREE_TAG`) of a save that holds no optimizer state: one plain file whatever the mode
+([Note: model-only saves] in lightning/lightning_tree.py)."""
 MARKER_FIELDS = "marker_fields"
 """Key of the Lightning fields a tree carries to the commit marker (see [Note: marker format])."""
 LIGHTNING_FIELDS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",

@@ -20,6 +20,18 @@ def main(mode: str, dirpath: str) -> None:
     import torch
     from checkpoint_cases import fit, make_trainer
 
+    target = "/last.ckpt"
+    if mode == "weights":
+        # ``python killed_job.py weights DIRPATH``: a weights-only ModelCheckpoint writing one name
+        # (weights.ckpt) every epoch through a `sharded` plugin; the second write of it is the one killed.
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        target = "/weights.ckpt"
+        trainer = make_trainer("sharded", dirpath, 2, start_method="fork", callbacks=[
+            ModelCheckpoint(dirpath=dirpath, filename="weights", save_weights_only=True)])
+    else:
+        trainer = make_trainer(mode, dirpath, 2, start_method="fork")
+    seen: list[str] = []
 
     real_save = torch.save
 
@@ -33,7 +45,10 @@ def main(mode: str, dirpath: str) -> None:
         return ""
 
     def half_then_kill(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(f, io.BytesIO) and saving(sys._getframe(1)).endswith("/last.ckpt"):
+        url = "" if isinstance(f, io.BytesIO) else saving(sys._getframe(1))
+        if url.endswith(target) and mode == "weights" and url not in seen:
+            seen.append(url)  # the first write of the name commits
+        elif url.endswith(target):
             buffer = io.BytesIO()
             real_save(obj, buffer, *args, **kwargs)
             data = buffer.getvalue()
@@ -45,7 +60,7 @@ def main(mode: str, dirpath: str) -> None:
     # The rank files, the sharded objects file and the full file are all torch.save streams; DCP's
     # data files of sharded mode are too, through DCP's writer.
     torch.save = half_then_kill  # type: ignore[assignment]
-    fit(make_trainer(mode, dirpath, 2, start_method="fork"))
+    fit(trainer)
 
 
 if __name__ == "__main__":

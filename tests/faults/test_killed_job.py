@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from checkpoint_cases import assert_same_weights, fit, make_trainer
+from lightning_cases import NetModule
 
 from lightning_zero.checkpoint import (
     CheckpointNotFoundError,
@@ -80,3 +82,17 @@ def test_remove_incomplete_deletes_a_killed_saves_leftovers_and_keeps_every_comm
     content = read_lightning_checkpoint(str(ckpts / "epoch=0-step=2.ckpt"))
     assert content["global_step"] == 2
     assert remove_incomplete(str(ckpts)) == []
+
+
+@pytest.mark.slow
+def test_a_weights_only_save_killed_mid_write_leaves_the_previous_file_of_that_name_intact(tmp_path: Path) -> None:
+    """The plain file of a weights-only save is committed as a full file is: written under a temporary name
+    and renamed. The second write of ``weights.ckpt`` dies half-way (the whole job SIGKILLed); the first is
+    there, whole, for any reader."""
+    ckpts = tmp_path / "ckpts"
+    kill_a_job_mid_save("weights", ckpts)
+    names = sorted(os.listdir(ckpts))
+    assert "weights.ckpt" in names and [n for n in names if n.startswith("weights.ckpt.tmp-")], names
+    content = torch.load(ckpts / "weights.ckpt", weights_only=True)
+    assert content["global_step"] == 2  # epoch 0's save; epoch 1's was the one killed
+    assert set(content["state_dict"]) == set(NetModule().state_dict())

@@ -74,22 +74,23 @@ def map_leaves(tree: Any, fn: Callable[[Leaf], Any]) -> Any:
     return fn(tree)
 
 
-def snapshot(tree: Any) -> Any:
+def snapshot(tree: Any, fenced: Callable[[Tensor], bool] | None = None) -> Any:
     """``tree`` with every tensor inside dicts, lists and tuples replaced by a detached copy, and every
     container on the way to one copied as its own type (an ``AttributeDict`` stays one); other leaves
     as they are. For state a save holds that the optimizer's staging fence does not protect: a
-    callback's averaged weights change in place after the save was queued ([Note: staging on GPUs])."""
+    callback's averaged weights change in place after the save was queued ([Note: staging on GPUs]).
+    ``fenced(tensor)`` true: the tensor is one the fence protects (a parameter), kept as it is."""
     if isinstance(tree, Tensor):
-        return tree.detach().clone()
+        return tree if fenced is not None and fenced(tree) else tree.detach().clone()
     if isinstance(tree, dict):
         copied = copy.copy(tree)
         for key, value in tree.items():
-            copied[key] = snapshot(value)
+            copied[key] = snapshot(value, fenced)
         return copied
     if isinstance(tree, list):
-        return [snapshot(value) for value in tree]
+        return [snapshot(value, fenced) for value in tree]
     if isinstance(tree, tuple):
-        items = [snapshot(value) for value in tree]
+        items = [snapshot(value, fenced) for value in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
     return tree
 

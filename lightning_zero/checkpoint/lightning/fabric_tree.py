@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_zero.checkpoint import engine_tree
-from lightning_zero.checkpoint.lightning.lightning_tree import build_tree
+from lightning_zero.checkpoint.lightning.lightning_tree import build_tree, plain_tree
 from lightning_zero.checkpoint.reader import FABRIC_KEYS
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 from lightning_zero.engine import ZeroEngine
@@ -56,4 +56,18 @@ def fabric_tree(state: dict[str, Any], module_key: str, optimizer_keys: dict[str
         tensors = {**dict(engine.named_parameters()), **dict(module.named_buffers())}
         tree["model"] = {fqn: leaf for fqn, leaf in tree["model"].items() if keep(fqn, tensors[fqn].detach())}
     tree["trainer"] = blob
+    return tree
+
+
+def plain_fabric_tree(state: list[tuple[str, Any]], module_key: str, module: nn.Module, engine: ZeroEngine | None,
+                      keep: Callable[[str, Tensor], bool] | None = None) -> dict[str, Any]:
+    """The file ``fabric.save(path, state)`` writes when ``state`` holds no optimizer, in every mode: what Fabric's
+    DDP writes ([Note: model-only saves] in lightning_tree.py), the state's keys in its order with the module as
+    its ``state_dict()`` (``keep``: ``fabric.save(filter=...)``'s test) and the other values as given
+    (``state_dict()`` of objects that have one)."""
+    weights = module.state_dict()  # finishes the step's gathers: the file holds the whole weights
+    if keep is not None:
+        weights = {k: v for k, v in weights.items() if keep(k, v.detach())}
+    tree = plain_tree({key: weights if key == module_key else value for key, value in state}, module, engine)
+    tree.pop(TREE_TAG)
     return tree

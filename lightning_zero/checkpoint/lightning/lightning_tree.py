@@ -17,6 +17,7 @@ per-parameter form), plus the fp32 masters of parameters kept in a lower precisi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from lightning_zero.checkpoint.reader import (
 )
 from lightning_zero.checkpoint.trainer_state import (
     MARKER_FIELDS,
+    PLAIN,
     TREE_TAG,
     marker_fields,
     trainer_state_blob,
@@ -58,10 +60,7 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         # The file is written in the background: only the parameters are held still until staged (the
         # optimizer's fence), so everything else is copied now, buffers and hook-added tensors
         # included, and the callbacks' state (SWA's and EMA's averages change in place).
-        fenced = {_storage_key(p) for _, p in (engine.named_parameters() if engine is not None
-                                               else module.named_parameters())}
-        state_dict = {k: v if isinstance(v, Tensor) and _storage_key(v) in fenced else snapshot(v)
-                      for k, v in checkpoint["state_dict"].items()}
+        state_dict = snapshot(checkpoint["state_dict"], _fence(_parameters(module, engine)))
         tree: dict[str, Any] = {**snapshot(trainer_state), "state_dict": state_dict, META_KEY: meta}
         if engine is not None:
             # Masters only where the checkpoint holds the parameter itself (a hook may have replaced it).
@@ -85,6 +84,38 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
         tree[MARKER_FIELDS] = marker_fields(trainer_state)
     tree[TREE_TAG] = mode
     return tree
+
+
+def holds_optimizer_state(checkpoint: dict[str, Any], engine: ZeroEngine | None) -> bool:
+    """Whether a save of Lightning's ``checkpoint`` holds optimizer state: not for ``save_weights_only``
+    (Lightning leaves ``optimizer_states`` out) nor without an engine (a save outside ``fit``)."""
+    return engine is not None and "optimizer_states" in checkpoint
+
+
+def plain_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None) -> dict[str, Any]:
+    """The tree of a save that holds no optimizer state, in every mode: ``checkpoint`` itself.
+
+    [Note: model-only saves] ZeRO-1 and ZeRO-2 hold the whole parameters on every rank, so a save without
+    optimizer state needs no sharding: it is the file DDP writes, one ``torch.save`` of the dict the front end
+    built (Lightning's ``dump_checkpoint``, or Fabric's state with each module's ``state_dict()``), written by
+    rank 0 alone, with nothing of this package in it (no masters, no meta, no integrity header), so every tool
+    reads it (``torch.load(path)["state_dict"]`` or ``["model"]``, a plain Trainer, litgpt). It is committed as a
+    ``full`` file is (a temporary name renamed, in the background with ``async_save``). The module's parameters
+    are held still by the optimizer's staging fence; everything else is copied now. The modes decide how
+    optimizer state is stored; a weights-only resume starts the optimizers fresh, as under DDP."""
+    tree = snapshot(checkpoint, _fence(_parameters(module, engine)))
+    tree[TREE_TAG] = PLAIN
+    return tree
+
+
+def _parameters(module: nn.Module, engine: ZeroEngine | None) -> list[Tensor]:
+    """The parameters the optimizer's staging fence protects (the engine's list: no wait for gathers)."""
+    return [p for _, p in (engine.named_parameters() if engine is not None else module.named_parameters())]
+
+
+def _fence(parameters: Iterable[Tensor]) -> Any:
+    keys = {_storage_key(p) for p in parameters}
+    return lambda tensor: _storage_key(tensor) in keys
 
 
 def gather_full_checkpoint(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None,

@@ -22,7 +22,7 @@ from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTun
 from lightning_zero.checkpoint.tiered import tier_recovery, tier_spares
 from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
 from lightning_zero.checkpoint.tiered.tiers import LocalTier, TierRuntime, TierSave
-from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
+from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, PLAIN, TREE_TAG
 
 
 class ZeroCheckpointIO(CheckpointIO):
@@ -89,7 +89,18 @@ class ZeroCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """(every rank) ``checkpoint`` is the tree ZeroLowLevelStrategy built for this plugin's mode."""
+        """(every rank) ``checkpoint`` is the tree ZeroLowLevelStrategy built for this plugin's mode, or, for a
+        save without optimizer state, the plain file DDP writes ([Note: model-only saves] in lightning_tree.py)."""
+        options = {**self.storage_options, **(storage_options or {})}
+        if checkpoint.get(TREE_TAG) == PLAIN:
+            # Every rank takes part (the save's agreement runs on the coordination group); rank 0 writes. With a
+            # local tier too the file goes to the path given: it is small, and any tool must find it there.
+            self._claimed.add(_claim_key(path))
+            saver.async_save({k: v for k, v in checkpoint.items() if k != TREE_TAG}, os.fspath(path), mode="full",
+                             storage_options=options, tuning=self.tuning, plain=True)
+            if not self.async_save:
+                self.finalize()
+            return
         if checkpoint.get(TREE_TAG) != self.mode:
             # Not a tree from ZeroLowLevelStrategy (e.g. the spawn launcher handing weights to the
             # main process): an ordinary synchronous single-file save by this rank.
@@ -97,7 +108,6 @@ class ZeroCheckpointIO(CheckpointIO):
             self._claimed.add(_claim_key(path))
             return
         self._claimed.add(_claim_key(path))
-        options = {**self.storage_options, **(storage_options or {})}
         tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
         fields = checkpoint.get(MARKER_FIELDS) or {}
         tier = None

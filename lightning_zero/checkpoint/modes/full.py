@@ -22,11 +22,14 @@ from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTun
 
 
 def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,
-               tuning: CheckpointTuning = DEFAULT_TUNING) -> None:
+               tuning: CheckpointTuning = DEFAULT_TUNING, header: bool = True) -> None:
+    """(every rank) ``state`` gathered to rank 0, which writes it as one file; ``header=False``: the file is the
+    state exactly, without the integrity header (a plain file: [Note: model-only saves])."""
     full = gather_tree_to_rank0(state, group)
     if rank != 0:
         return
-    full[integrity.HEADER_KEY] = integrity.header(full, save_id)
+    if header:
+        full[integrity.HEADER_KEY] = integrity.header(full, save_id)
     file_io.torch_save_to(loc, loc.path, full, tuning, whole=True)
     # Temporary files of saves of this name that died (SIGKILL) before their rename: one worker
     # writes a name at a time, so none of them is in progress.
