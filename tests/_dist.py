@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "lightning-zero")
 """The console command as pip installed it beside the interpreter running the tests (a venv's bin/, or a
 system's), which is where a user's shell finds it: not a path assumed under the repository."""
