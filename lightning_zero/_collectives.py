@@ -121,10 +121,26 @@ def wait(work: Work) -> None:
     try:
         work.wait(timeout)
     except RuntimeError as exc:
-        raise RuntimeError(
-            f"rank {dist.get_rank()}: a collective did not complete within the process group timeout ({timeout}):"
-            f" another rank died or stopped answering (frozen, hung or unreachable). ({exc})"
-        ) from exc
+        raise RuntimeError(f"rank {dist.get_rank()}: a collective failed: {peer_failure(exc, timeout)}") from exc
+
+
+_CLOSED = ("connection closed", "connection reset", "broken pipe", "econnreset", "epipe", "socket closed")
+
+
+def peer_failure(exc: BaseException, timeout: timedelta | None = None) -> str:
+    """What a failed collective's error says happened, in words a user acts on: a peer closed its
+    connection (it exited, destroyed its process group or died: the failure comes at once), or nothing came
+    within the timeout (a peer frozen, hung or unreachable); the backend's own words follow."""
+    text = str(exc).lower()
+    if any(sign in text for sign in _CLOSED):
+        what = ("a peer closed its connection (the process exited, destroyed its process group or died);"
+                " its own log says which")
+    elif "timed out" in text or "timeout" in text:
+        limit = timeout if timeout is not None else process_group_timeout()
+        what = f"no answer within the process group timeout ({limit}): a peer is frozen, hung or unreachable"
+    else:
+        what = "another rank died or stopped answering"
+    return f"{what}. ({type(exc).__name__}: {exc})"
 
 
 def copy_flat_to_rows(rows: Tensor, flat: Tensor, layout: EvenShard, zero_padding: bool = False) -> None:

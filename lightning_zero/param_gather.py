@@ -41,6 +41,8 @@ parameter is functionalized by AOTAutograd, which may run it on a copy.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 import weakref
 from collections import deque
@@ -93,6 +95,7 @@ class ParamGatherer:
         self.launch_hook: Callable[[ParamGatherer], None] | None = None
         """Called after every launch (tests and benchmarks watch the in-flight bound with it)."""
         _LIVE_GATHERERS.add(self)
+        _guard_group_teardown()
 
     @property
     def pending(self) -> bool:
@@ -186,8 +189,62 @@ class ParamGatherer:
         if self.pending:
             self.wait_for(len(self.order))
 
+    def drain(self) -> None:
+        """:meth:`finish`, then on CUDA wait on the host until the gathers have run on the device: the
+        process group may be destroyed next ([Note: gathers outlive no group])."""
+        events = list(self._cuda_done)
+        self.finish()
+        for event in events:
+            event.synchronize()
+
 
 _LIVE_GATHERERS: weakref.WeakSet[ParamGatherer] = weakref.WeakSet()
+
+log = logging.getLogger(__name__)
+
+
+def drain_all_gathers() -> None:
+    """(this rank) Every gather this process launched has completed when this returns; a failed one is
+    logged, not raised: this runs where a program ends ([Note: gathers outlive no group])."""
+    for gatherer in list(_LIVE_GATHERERS):
+        try:
+            gatherer.drain()
+        except Exception as exc:
+            log.warning("The parameter all-gathers still in flight at the end failed: %s", exc)
+
+
+def _guard_group_teardown() -> None:
+    """[Note: gathers outlive no group] After ``opt.step()`` the parameter gathers run on by themselves
+    ([Note: gather overlap]), and every rank's gathers need every other rank's to complete. A DDP program
+    ends with ``dist.destroy_process_group()`` (or just exits) right after its last step, without
+    ``engine.close()``: a rank whose gathers are still in flight would then take the group away from
+    its peers, which fail at their next parameter read ("Connection closed by peer"), and an interpreter
+    exiting with our gather thread inside gloo aborts ("terminate called without an active exception").
+    So while gatherers live, ``torch.distributed.destroy_process_group`` first drains this rank's gathers
+    (they complete once every rank has launched them, which every rank did in its step: no training-thread
+    action of a peer is needed), and so does an ``atexit`` handler, which Python runs before it stops
+    daemon threads. Nothing changes on the hot path: the overlap with the next forward stays whole, and a
+    program that calls ``engine.close()`` finds nothing to drain. Installed once per process; a function
+    imported by name before the first engine (``from torch.distributed import destroy_process_group``)
+    is the original: the ``atexit`` drain still covers the exit."""
+    global _GUARDED
+    if _GUARDED:
+        return
+    _GUARDED = True
+    original = dist.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        drain_all_gathers()
+        original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+    atexit.register(drain_all_gathers)
+
+
+_GUARDED = False
 
 
 def compiled_read_traced(_ctx: Any = None) -> None:

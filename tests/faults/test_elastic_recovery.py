@@ -136,6 +136,9 @@ def test_a_flipped_byte_in_the_needed_replica_falls_back_with_one_warning(tmp_pa
     for warning, step in zip(warnings, damaged):
         assert f"step={step}.ckpt" in warning and "rank00002-of-00004.pt" in warning, log
         assert "rank 0: Checksum mismatch" in warning and warning.count("Checksum mismatch") == 1, log
+        # said once, what happened then what is done: no advice to do what recovery is doing, no ".."
+        assert "Resume from another checkpoint" not in warning and ".." not in warning, log
+        assert warning.rstrip().endswith("resuming from the next newest complete state instead."), log
     b = torch.load(tmp_path / "b.pt", weights_only=False)
     # The older local one (step 2, not older than the durable one), else the durable step 2.
     want_tier = "local" if damaged == (3,) else "durable"

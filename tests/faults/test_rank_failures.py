@@ -77,7 +77,9 @@ def test_a_peer_killed_or_frozen_during_a_save_fails_it_on_the_others_within_the
     for rank, result in results.items():
         assert result is not None, f"rank {rank} was still waiting after 60 s"
         assert result["error"] and "lost contact with another rank" in result["error"], result
-        assert "died or stopped answering" in result["error"]
+        # What happened, in words: a killed peer's connection closes at once; a frozen one never answers.
+        said = "a peer closed its connection" if how == "kill" else "no answer within the process group timeout"
+        assert said in result["error"], result["error"]
         assert result["seconds"] < TIMEOUT_S * 3 + 5, f"rank {rank} took {result['seconds']:.1f} s"
     # Nothing committed: last.ckpt is still the first save (value 1.0), which loads at world size 3 only
     # in local mode; its marker names the first data version.

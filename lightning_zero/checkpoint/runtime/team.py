@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_zero._collectives import new_group, process_group_timeout
+from lightning_zero._collectives import new_group, peer_failure
 from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
 
@@ -130,9 +130,8 @@ def peer_lost(exc: BaseException, loading: bool = False) -> RuntimeError:
     outcome = ("Nothing was loaded" if loading else
                "Nothing of this checkpoint is committed unless rank 0 wrote its marker")
     return RuntimeError(
-        f"rank {world()[0]}: lost contact with another rank in a checkpoint collective: a peer process died or"
-        f" stopped answering within the process group timeout ({process_group_timeout()}). {outcome}; check the"
-        f" other ranks' logs. ({type(exc).__name__}: {exc})"
+        f"rank {world()[0]}: lost contact with another rank in a checkpoint collective: {peer_failure(exc)}"
+        f" {outcome}; check the other ranks' logs."
     )
 
 

@@ -161,8 +161,11 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
                 choice = _take_local(newest, holders[newest["save_id"]], gathered, node_of, root, team,
                                      shard_group_size, durable_url, reason)
             except tier_reshard.ReshardFailed as exc:
+                # The cause alone: its advice to resume from another checkpoint is what happens next.
+                cause = str(exc).removesuffix(" Resume from another checkpoint.").rstrip(". ")
                 rank_zero_warn(f'ckpt_path="last": the local-tier checkpoint {newest["name"]!r} (step'
-                               f' {newest["key"][0]}) cannot be used: {exc}. Taking the next complete state.')
+                               f' {newest["key"][0]}) cannot be used ({cause}); resuming from the next newest'
+                               ' complete state instead.')
                 rejected.add(newest["save_id"])
                 continue
             choice = replace(choice, choose_s=chosen_at - started, reshard_s=time.perf_counter() - chosen_at,
