@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# litgpt 0.5.13's pre-training script under zero2 (check.py), in a venv of its own (clients/litgpt/.venv, git-ignored):
+# litgpt 0.5.13's pre-training, full and LoRA fine-tuning scripts under the bare strategy string "zero2" (check.py),
+# in a venv of its own (clients/litgpt/.venv, git-ignored):
 # this package and litgpt installed side by side with one resolver each, then `pip check`, then check.py.
 #   clients/litgpt/check.sh            # or: make litgpt-check
 set -euo pipefail

@@ -3,7 +3,8 @@
 ``python make_data.py OUT`` writes ``OUT/data/*.txt`` (sentences from a small seeded grammar: litgpt's
 ``TextFiles`` takes the first file, in sorted order, for validation) and ``OUT/tokenizer/`` (a byte-level
 BPE trained with ``tokenizers`` and saved as ``tokenizer.json`` and ``tokenizer_config.json``, the two
-files ``litgpt/tokenizer.py`` reads).
+files ``litgpt/tokenizer.py`` reads) and ``OUT/instructions.json`` (the fine-tune runs' data, read by litgpt's
+``JSON`` data module: a subject as the instruction, the rest of a sentence and one more as the output).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 VOCAB_SIZE = 512
 FILES = 4
 SENTENCES_PER_FILE = 3000
+INSTRUCTIONS = 240
 
 SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the teacher", "a small bird", "the farmer", "our team"]
 VERBS = ["sees", "likes", "carries", "finds", "paints", "follows", "builds", "watches"]
@@ -25,6 +27,13 @@ ENDINGS = ["today", "every morning", "in the garden", "after dinner", "near the 
 
 def sentence(rng: random.Random) -> str:
     return f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ENDINGS)}."
+
+
+def instructions(rng: random.Random) -> list[dict[str, str]]:
+    """Short records (under 30 tokens with the BPE here: the check's model has a context of 64)."""
+    return [{"instruction": rng.choice(SUBJECTS), "input": "",
+             "output": f" {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ENDINGS)}. {sentence(rng)}"}
+            for _ in range(INSTRUCTIONS)]
 
 
 def main(out: Path) -> None:
@@ -51,8 +60,10 @@ def main(out: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": False,
         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (out / "instructions.json").write_text(json.dumps(instructions(random.Random(1)), indent=1))
     print(f"{FILES} text files ({sum(Path(f).stat().st_size for f in files)} bytes) in {data}; "
-          f"a {tokenizer.get_vocab_size()}-token BPE in {directory}")
+          f"a {tokenizer.get_vocab_size()}-token BPE in {directory}; {INSTRUCTIONS} records in"
+          f" {out / 'instructions.json'}")
 
 
 if __name__ == "__main__":

@@ -268,7 +268,8 @@ class _SaveJob:
             if self.mode == "full" and self.team.rank != 0:
                 # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
                 state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
-            self.state = checkpointer().stager.stage(state, self.ready)
+            # A full file is read by other tools: its tensors keep storages of their own.
+            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode != "full")
         except Exception as exc:
             self.error = f"rank {self.team.rank}: staging the state failed ({type(exc).__name__}: {exc})"
         finally:

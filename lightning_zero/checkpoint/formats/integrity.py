@@ -32,7 +32,7 @@ another save is refused, naming the file.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,15 +68,49 @@ HEADER_KEY = "lightning_zero_integrity"
 FORMAT = 1
 
 
-def crc32_of(value: Tensor | bytes) -> int:
-    """CRC32 of a tensor's raw bytes (any dtype, shape or layout) or of a bytes object."""
-    if isinstance(value, (bytes, bytearray)):
-        return zlib.crc32(value)
+CHUNK_BYTES = 64 * 2**10
+"""A tensor larger than this is checksummed in chunks of this size (a list of CRC32s): a packed buffer holds
+thousands of tensors ([Note: packed rank files] in packed.py), and a mismatch then names the ones in the
+damaged chunk. Files with one CRC32 per tensor (every earlier one) are read as before."""
+
+
+def _bytes_of(value: Tensor) -> Any:
     flat = value.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     # A uint8 view reads the element bytes without a copy (bf16 included, which numpy lacks).
-    return zlib.crc32(flat.contiguous().view(torch.uint8).numpy())
+    return flat.contiguous().view(torch.uint8).numpy()
+
+
+def crc32_of(value: Tensor | bytes) -> int:
+    """CRC32 of a tensor's raw bytes (any dtype, shape or layout) or of a bytes object."""
+    if isinstance(value, (bytes, bytearray)):
+        return zlib.crc32(value)
+    return zlib.crc32(_bytes_of(value))
+
+
+def checksum_of(value: Tensor | bytes) -> int | list[int]:
+    """:func:`crc32_of`, or for a tensor of more than :data:`CHUNK_BYTES` the CRC32 of each chunk."""
+    if isinstance(value, (bytes, bytearray)) or value.numel() * value.element_size() <= CHUNK_BYTES:
+        return crc32_of(value)
+    data = _bytes_of(value)
+    return [zlib.crc32(data[start: start + CHUNK_BYTES]) for start in range(0, len(data), CHUNK_BYTES)]
+
+
+def damaged_bytes(value: Tensor | bytes, expected: int | list[int]) -> tuple[int, int] | None:
+    """The byte range of ``value`` whose checksum differs from ``expected`` (the first damaged chunk, or the
+    whole value), None when it matches."""
+    if isinstance(expected, int):
+        return None if crc32_of(value) == expected else (0, len(value) if isinstance(value, (bytes, bytearray))
+                                                          else value.numel() * value.element_size())
+    data = _bytes_of(value)  # type: ignore[arg-type]
+    if len(expected) != (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES:
+        return (0, len(data))
+    for index, crc in enumerate(expected):
+        start = index * CHUNK_BYTES
+        if zlib.crc32(data[start: start + CHUNK_BYTES]) != crc:
+            return (start, min(start + CHUNK_BYTES, len(data)))
+    return None
 
 
 def _checked_leaves(tree: Any) -> Iterator[tuple[str, Tensor | bytes]]:
@@ -90,7 +124,7 @@ def describe(tree: Any) -> dict[str, tuple[int, list[int], str]]:
     out: dict[str, tuple[int, list[int], str]] = {}
     for key, leaf in _checked_leaves(tree):
         if isinstance(leaf, Tensor):
-            out[key] = (crc32_of(leaf), list(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+            out[key] = (checksum_of(leaf), list(leaf.shape), str(leaf.dtype).removeprefix("torch."))
         else:
             out[key] = (crc32_of(leaf), [len(leaf)], "bytes")
     return out
@@ -139,8 +173,10 @@ def check_identity(found: dict[str, Any], file: str, url: str, save_id: str | No
             )
 
 
-def verify(content: Any, found: dict[str, Any], file: str, url: str) -> None:
-    """Every checksummed leaf is present with its shape, dtype and CRC32."""
+def verify(content: Any, found: dict[str, Any], file: str, url: str,
+           locate: Callable[[str, tuple[int, int]], str | None] | None = None) -> None:
+    """Every checksummed leaf is present with its shape, dtype and CRC32. ``locate(key, byte range)``: the
+    names of the tensors stored in that range of leaf ``key`` (a packed buffer), for the error."""
     expected: dict[str, Any] | None = found.get("tensors")
     if expected is None:  # saved inside checksums_disabled()
         return
@@ -160,10 +196,12 @@ def verify(content: Any, found: dict[str, Any], file: str, url: str) -> None:
                 f"Tensor {name!r} in {file!r} of checkpoint {url!r} is {actual_dtype}{actual_shape}, written as"
                 f" {dtype}{list(shape)}; the file is damaged. Resume from another checkpoint."
             )
-        if crc32_of(leaf) != crc:
+        damage = damaged_bytes(leaf, crc)
+        if damage is not None:
+            named = locate(key, damage) if locate is not None else None
             raise CheckpointCorruptError(
-                f"Checksum mismatch in tensor {name!r} of {file!r} (checkpoint {url!r}): its data changed after it"
-                " was written (a damaged disk or transfer). Resume from another checkpoint."
+                f"Checksum mismatch in {named or f'tensor {name!r}'} of {file!r} (checkpoint {url!r}): its data"
+                " changed after it was written (a damaged disk or transfer). Resume from another checkpoint."
             )
     unexpected = sorted(set(present) - set(expected))
     if unexpected:

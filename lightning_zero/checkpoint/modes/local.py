@@ -3,8 +3,9 @@ rank's own file, at the world size it was saved with (or fewer replica groups of
 group size, with hybrid sharding).
 
 Layout: ``<version dir>/rank{r:05d}-of-{world:05d}.pt``, a ``torch.save`` of the tree with each
-:class:`FlatShard` encoded as a plain dict (``weights_only`` loads accept it), plus the integrity
-header (:mod:`~lightning_zero.checkpoint.formats.integrity`).
+:class:`FlatShard` encoded as a plain dict (``weights_only`` loads accept it), its tensors packed into the
+few flat buffers the stager copied them into ([Note: packed rank files] in formats/packed.py), plus the
+integrity header (:mod:`~lightning_zero.checkpoint.formats.integrity`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.formats import integrity
+from lightning_zero.checkpoint.formats import integrity, packed
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
 from lightning_zero.checkpoint.modes import OpenedCheckpoint
 from lightning_zero.checkpoint.runtime.team import Team, world
@@ -39,7 +40,9 @@ def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_si
                 tuning: CheckpointTuning = DEFAULT_TUNING, progress: Callable[[int], None] | None = None,
                 recycle: Callable[[str], bool] | None = None) -> None:
     """This rank's file; ``progress`` and ``recycle``: a local tier's (see file_io.write_file)."""
-    encoded = encode_shards(state)
+    encoded = packed.pack(state)  # [Note: packed rank files]
+    if encoded is state:
+        encoded = encode_shards(state)
     encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
     file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress,
                           recycle=recycle)
@@ -123,8 +126,8 @@ def read_checked(loc: Location, path: str, save_id: str | None, rank: int, world
     content, found = integrity.split(file_io.torch_load(loc, path), path, loc.url, required=save_id is not None)
     if found is not None:
         integrity.check_identity(found, path, loc.url, save_id, rank, world_size)
-        integrity.verify(content, found, path, loc.url)
-    return decode_shards(content)
+        integrity.verify(content, found, path, loc.url, locate=packed.locate(content))
+    return decode_shards(packed.unpack(content))
 
 
 def _is_encoded_shard(leaf: Any) -> bool:

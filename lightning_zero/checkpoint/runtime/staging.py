@@ -18,24 +18,29 @@ that state. On CUDA:
 * the stream is synchronised before the save reports "staged", which is what the optimizer's
   pre-update fence waits for: only then may the update change the live tensors.
 
-CPU tensors are cloned (a host copy is just a memcpy; keeping them would double host memory for
-good).
+CPU tensors are copied into one new flat buffer per dtype by one ``torch._foreach_copy_`` (a host copy
+is just a memcpy; keeping the buffers between saves would double host memory for good): one call that
+releases the GIL instead of a clone per tensor that holds it, and a few storages that the ``local`` writer
+saves as a few records ([Note: packed rank files] in formats/packed.py).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
 
 
 def ready_event(tree: Any) -> tuple[torch.cuda.Event, torch.device] | None:
     """(training thread) An event on the current CUDA stream after the state was produced, or None
     when the tree holds no CUDA tensor."""
+    if not torch.cuda.is_initialized():
+        return None  # no CUDA tensor exists before CUDA is initialized: no walk of the tree on the hot path
     device = next((t.device for t in _tensors(tree) if t.device.type == "cuda"), None)
     if device is None:
         return None
@@ -51,11 +56,13 @@ class Stager:
         self._host: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None) -> Any:
-        """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are."""
+    def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None, flat: bool = True) -> Any:
+        """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are.
+        ``flat=False``: each CPU tensor a storage of its own (a file other tools read, where a tensor that is
+        a view of a larger storage would carry all of it)."""
         if ready is None:
-            return _map_tensors(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else
-                                t.detach().to("cpu"))
+            return _stage_on_host(tree) if flat else _map_tensors(
+                tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu"))
         event, device = ready
         torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
@@ -79,6 +86,37 @@ class Stager:
     def host_buffers(self) -> list[Tensor]:
         """The pinned buffers kept for reuse (for checks and memory accounting)."""
         return list(self._host.values())
+
+
+def _stage_on_host(tree: Any) -> Any:
+    """``tree`` with its CPU tensors copied into one flat buffer per dtype (views of it, each tensor object
+    once), in one ``_foreach_copy_`` per dtype; a tensor on another device (a caller's meta or CUDA tensor
+    without a CUDA stream to order by) is copied to the host alone."""
+    unique: dict[int, Tensor] = {}
+    for tensor in _tensors(tree):
+        if tensor.device.type == "cpu" and not tensor.is_sparse:
+            unique.setdefault(id(tensor), tensor.detach())
+    by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
+    for key, tensor in unique.items():
+        by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
+    staged: dict[int, Tensor] = {}
+    for dtype, items in by_dtype.items():
+        sources = [tensor for _, tensor in items]
+        flat = torch.empty(sum(t.numel() for t in sources), dtype=dtype)
+        views = torch._C._nn.unflatten_dense_tensors(flat, sources)  # one call: a view per tensor
+        torch._foreach_copy_(views, sources)
+        staged.update((key, view) for (key, _), view in zip(items, views))
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, FlatShard):
+            shard = copy.copy(value)  # dataclasses.replace costs several times more, per shard
+            shard.local = staged[id(value.local)] if id(value.local) in staged else value.local.detach().to("cpu")
+            return shard
+        if isinstance(value, Tensor):
+            return staged[id(value)] if id(value) in staged else value.detach().to("cpu", copy=True)
+        return value
+
+    return map_leaves(tree, leaf)
 
 
 def _tensors(tree: Any) -> list[Tensor]:

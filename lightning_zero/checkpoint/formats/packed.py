@@ -1,0 +1,125 @@
+"""Few large records instead of thousands: a rank file's tensors written as the flat buffers they live in.
+
+[Note: packed rank files] ``torch.save`` pays Python for every tensor it writes (its reduce, the pickler's
+``persistent_id``, one zip record), all of it holding the GIL, and so did the CRC32 per tensor: with a few
+thousand small tensors (masters, two moments and a step per parameter of a deep model) a background save held
+the training thread's GIL for longer than the training step took (BENCHMARKS.md, "What a save costs the loop").
+The stager copies a save's tensors into one flat buffer per dtype (``staging.Stager``), so they are views of a
+few storages. :func:`pack` writes each storage once, as one 1-D tensor, takes every tensor and
+:class:`FlatShard` leaf out of the tree (``None`` in its place) and lists them in one JSON index (bytes):
+``[path keys, buffer, offset, numel, shape, shard fields or null]`` per leaf. The integrity header then checks a few
+buffers and the index, not every leaf, and ``torch.save`` writes a few records. :func:`unpack` puts the
+leaves back as views of the loaded buffers. A tree whose tensors are not exactly the few storages they fill
+(not staged so, or a tensor inside a tuple) is written as before; files without :data:`PACKED_KEY` (every
+earlier version) read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoint.formats.tree import FlatShard
+
+PACKED_KEY = "lightning_zero_packed"
+
+
+class _NotPackable(Exception):
+    pass
+
+
+def pack(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with its tensor and :class:`FlatShard` leaves moved into flat buffers under :data:`PACKED_KEY`,
+    or ``tree`` as it is when its tensors are not views filling a few storages exactly."""
+    buffers: list[Tensor] = []
+    slots: dict[int, int] = {}  # storage address -> buffer
+    rows: list[list[Any]] = []
+
+    def place(tensor: Tensor, path: list[Any], shard: list[Any] | None) -> None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+            raise _NotPackable
+        storage = tensor.untyped_storage()
+        index = slots.get(storage.data_ptr())
+        if index is None:
+            index = slots[storage.data_ptr()] = len(buffers)
+            itemsize = tensor.element_size()
+            buffers.append(torch.empty(0, dtype=tensor.dtype).set_(storage, 0, (storage.nbytes() // itemsize,)))
+        elif buffers[index].dtype != tensor.dtype:
+            raise _NotPackable
+        rows.append([path, index, tensor.storage_offset(), tensor.numel(), list(tensor.shape), shard])
+
+    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
+        if isinstance(node, FlatShard):
+            if in_tuple:
+                raise _NotPackable
+            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
+            return None
+        if isinstance(node, Tensor):
+            if in_tuple:
+                raise _NotPackable
+            place(node, path, None)
+            return None
+        if isinstance(node, dict):
+            if not all(isinstance(key, (str, int)) for key in node):
+                raise _NotPackable  # the index names keys in JSON
+            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
+        if isinstance(node, list):
+            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
+        return node
+
+    try:
+        skeleton = visit(tree, [], False)
+    except _NotPackable:
+        return tree
+    used = [0] * len(buffers)
+    seen: set[tuple[int, int]] = set()
+    for _, index, offset, numel, _, _ in rows:
+        if (index, offset) not in seen:
+            seen.add((index, offset))
+            used[index] += numel
+    if not buffers or any(u != b.numel() for u, b in zip(used, buffers)):
+        return tree  # a storage holding bytes no leaf holds (a view of a larger tensor): written as before
+    skeleton[PACKED_KEY] = {"buffers": buffers, "index": json.dumps(rows).encode()}
+    return skeleton
+
+
+def unpack(content: Any) -> Any:
+    """A file's content with every leaf :func:`pack` took out back in place, as a view of its loaded buffer."""
+    if not isinstance(content, dict) or PACKED_KEY not in content:
+        return content
+    content = dict(content)
+    packed = content.pop(PACKED_KEY)
+    buffers = packed["buffers"]
+    for path, index, offset, numel, shape, shard in json.loads(packed["index"]):
+        view = buffers[index][offset: offset + numel].view(shape)
+        leaf: Any = view if shard is None else FlatShard(view, tuple(shard[0]), *shard[1:])
+        container: Any = content
+        for key in path[:-1]:
+            container = container[key]
+        container[path[-1]] = leaf
+    return content
+
+
+def locate(content: Any) -> Any:
+    """For :func:`~lightning_zero.checkpoint.formats.integrity.verify`: the names of the leaves stored in a
+    byte range of one of ``content``'s packed buffers (read before :func:`unpack`)."""
+    packed = content.get(PACKED_KEY) if isinstance(content, dict) else None
+
+    def names(key: str, damage: tuple[int, int]) -> str | None:
+        prefix = f"{PACKED_KEY}/buffers/"
+        if packed is None or not key.startswith(prefix):
+            return None
+        buffer = int(key[len(prefix):])
+        itemsize = packed["buffers"][buffer].element_size()
+        start, end = damage
+        hit = ["/".join(str(k) for k in path) for path, index, offset, numel, _, _ in json.loads(packed["index"])
+               if index == buffer and offset * itemsize < end and (offset + numel) * itemsize > start]
+        shown = ", ".join(repr(name) for name in hit[:10]) + (f" and {len(hit) - 10} more" if len(hit) > 10 else "")
+        return f"tensor {shown}" if len(hit) == 1 else f"tensors {shown}"
+
+    return names

@@ -1,0 +1,82 @@
+"""formats/packed.py: a rank file's tensors as the few flat buffers the stager copied them into
+([Note: packed rank files]), and the local mode that writes and reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoint import CheckpointCorruptError, load, save
+from lightning_zero.checkpoint.formats import packed
+from lightning_zero.checkpoint.formats.tree import FlatShard, walk
+from lightning_zero.checkpoint.runtime.staging import Stager
+
+
+def many_leaves() -> dict:
+    torch.manual_seed(0)
+    return {"model": {f"layer{i}.weight": FlatShard(torch.randn(64 * 64), (64, 64), 0, 1) for i in range(40)},
+            "optimizer": [{"state": {f"layer{i}.weight": {"exp_avg": torch.randn(64 * 64), "step": torch.tensor(3.0)}
+                                     for i in range(40)}, "param_groups": [{"lr": 0.1, "params": ["a", "b"]}]}],
+            "half": torch.randn(5, 3).to(torch.bfloat16), "note": "kept", "empty": None}
+
+
+def same(a: object, b: object) -> None:
+    left, right = dict(walk(a)), dict(walk(b))
+    assert left.keys() == right.keys()
+    for path, value in left.items():
+        other = right[path]
+        if isinstance(value, FlatShard):
+            assert isinstance(other, FlatShard) and (value.shape, value.rank, value.world_size) == \
+                (other.shape, other.rank, other.world_size)
+            value, other = value.local, other.local
+        if isinstance(value, Tensor):
+            assert value.dtype == other.dtype and torch.equal(value, other), path
+        else:
+            assert value == other, path
+
+
+def test_a_staged_tree_packs_into_one_buffer_per_dtype_and_unpacks_to_the_same_leaves() -> None:
+    tree = many_leaves()
+    staged = Stager().stage(tree)
+    written = packed.pack(staged)
+    assert [b.dtype for b in written[packed.PACKED_KEY]["buffers"]] == [torch.float32, torch.bfloat16]
+    assert not any(isinstance(leaf, (Tensor, FlatShard)) for path, leaf in walk(written)
+                   if path[0] != packed.PACKED_KEY)  # the tensors live in the buffers only
+    same(packed.unpack(written), tree)
+
+
+def test_tensors_not_filling_their_storage_exactly_are_written_as_before() -> None:
+    base = torch.arange(10.0)
+    tree = {"a": base[:4], "b": base[4:8]}  # two views leaving base[8:] out
+    assert packed.pack(tree) is tree
+    assert packed.pack({"t": (torch.zeros(2),)}) is not None  # a tensor in a tuple: as before, no error
+    assert packed.unpack({"plain": 1}) == {"plain": 1}  # a file of an earlier version
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_local_checkpoint_round_trips_packed_and_a_damaged_byte_names_the_tensors_around_it(tmp_path: Path) -> None:
+    tree = many_leaves()
+    save(tree, str(tmp_path / "c.ckpt"), mode="local")
+    into = {"model": {k: FlatShard(torch.zeros(64 * 64), (64, 64), 0, 1) for k in tree["model"]},
+            "optimizer": [{"state": {k: {"exp_avg": torch.zeros(64 * 64), "step": torch.tensor(0.0)}
+                                     for k in tree["model"]}, "param_groups": [{"lr": 0.0, "params": []}]}],
+            "half": torch.zeros(5, 3, dtype=torch.bfloat16), "note": "", "empty": None}
+    load(into, str(tmp_path / "c.ckpt"))
+    for key, shard in tree["model"].items():
+        assert torch.equal(into["model"][key].local, shard.local)
+    assert torch.equal(into["optimizer"][0]["state"]["layer39.weight"]["exp_avg"],
+                       tree["optimizer"][0]["state"]["layer39.weight"]["exp_avg"])
+    # One byte of the last exp_avg flipped: the error names it among the few tensors of its 64 KiB chunk.
+    (rank_file,) = (tmp_path / "_zero_data" / "c.ckpt").glob("*/rank00000-of-00001.pt")
+    data = bytearray(rank_file.read_bytes())
+    needle = tree["optimizer"][0]["state"]["layer39.weight"]["exp_avg"][100:108].numpy().tobytes()
+    at = bytes(data).index(needle)
+    data[at] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in tensors? .*optimizer/0/state/layer39"
+                                                     r"\.weight/exp_avg") as error:
+        load(into, str(tmp_path / "c.ckpt"))
+    assert "layer0.weight" not in str(error.value)
