@@ -42,6 +42,7 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/trainer_checkpoint.py
+	$(PY) bench/trainer_checkpoint.py --one-rank
 	$(PY) bench/write_loop.py
 	$(PY) bench/recovery.py
 
@@ -50,7 +51,8 @@ bench: install
 # imports that the venv lacks; at start it JIT-builds its shared-memory op with the system's g++.
 .PHONY: litgpt-check lightning-tests
 # Programs written elsewhere, each in a venv of its own under clients/ (not CI; results in COMPATIBILITY.md):
-# litgpt 0.5.13's pre-training script under zero2, resumed, then `litgpt generate` on its checkpoint;
+# litgpt 0.5.13's pre-training, full fine-tuning and LoRA scripts with their strategy line changed to the bare
+# "zero2" (and `import lightning_zero`), resumed, then litgpt's own tools (`generate`, `merge_lora`) on their output;
 # Lightning's own tests with zero2 in place of DDP against a pass-through control.
 litgpt-check:
 	nice -n 10 clients/litgpt/check.sh

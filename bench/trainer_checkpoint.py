@@ -9,23 +9,38 @@ the strategy waits for staging after the closure, right before the update. This 
 * ``update wait``: the time the pre-update fence waited for staging;
 * step time with a save every step, beside the same loop without saves and with synchronous saves.
 
+``--one-rank`` instead: what a save costs the loop on one rank with a free core (:func:`one_rank_table`):
+``torch.set_num_threads(1)``, so the training thread needs one core and a save's background work has the other
+to itself; a ModelCheckpoint every ``--every`` steps (``save_top_k=1``: the older file is removed as Lightning
+removes it). Per run: the mean time between ``training_step`` starts over whole save periods past the first
+(a save's whole cost, whatever its background work takes from the training thread, counts), that over the same
+loop without saves, and save hook -> next ``training_step`` (the training thread's own part). Side by side in
+one process: no saves; ``ZeroCheckpointIO`` async and sync in ``local`` and ``sharded`` mode under
+``ZeroLowLevelStrategy(stage=2)``; Lightning's ``TorchCheckpointIO`` and ``AsyncCheckpointIO`` under its default
+single-device strategy. Models: ``wide`` (4 x Linear(1024, 1024), 8 tensors, compute-bound) and ``deep``
+(400 x Linear(64, 64), 800 tensors, bound by Python like a GPU step bound by its kernel launches).
+
     .venv/bin/python bench/trainer_checkpoint.py [--hidden 1024] [--steps 8]
+    .venv/bin/python bench/trainer_checkpoint.py --one-rank [--every 5] [--steps 31] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -94,11 +109,116 @@ class Report(Callback):
         trainer.callback_metrics["bench"] = summarize(self.module.marks)  # type: ignore[assignment]
 
 
+MODELS = {"wide": (1024, 4), "deep": (64, 400)}
+RUNS = ("no saves", "ours async local", "ours async sharded", "ours sync local", "ours sync sharded",
+        "Lightning TorchCheckpointIO", "Lightning AsyncCheckpointIO")
+
+
+class OneRankNet(LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        self.marks: list[tuple[str, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.marks.append(("step", time.perf_counter()))
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class SaveMarks(Callback):
+    def __init__(self, module: OneRankNet) -> None:
+        self.module = module
+
+    def on_save_checkpoint(self, trainer: Trainer, *args: Any) -> None:
+        self.module.marks.append(("save", time.perf_counter()))
+
+
+def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float, float]:
+    """(mean step s over whole save periods past the first, median hook -> next step s)."""
+    starts = [t for name, t in marks if name == "step"]
+    first, last = every, every * ((len(starts) - 1) // every)  # step index `every` starts the 2nd period
+    if last <= first:
+        first, last = 1, len(starts) - 1
+    step = (starts[last] - starts[first]) / (last - first)
+    delays = []
+    for i, (name, t) in enumerate(marks):
+        if name == "save":
+            following = next((u for n, u in marks[i:] if n == "step"), None)
+            if following is not None:
+                delays.append(following - t)
+    return step, statistics.median(delays) if delays else float("nan")
+
+
+def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, float]:
+    width, depth = MODELS[model]
+    module = OneRankNet(width, depth)
+    data = TensorDataset(torch.randn(steps * 8, width), torch.randn(steps * 8, width))
+    callbacks: list[Callback] = [SaveMarks(module)]
+    saves = kind != "no saves"
+    if saves:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(root, f"{model}-{kind.replace(' ', '_')}"),
+                                         every_n_train_steps=every, save_top_k=1, monitor="step", mode="max"))
+    plugins: list[Any] = []
+    strategy: Any = "auto"
+    if kind.startswith("ours"):
+        _, how, mode = kind.split()
+        strategy = ZeroLowLevelStrategy(stage=2)
+        plugins = [ZeroCheckpointIO(mode=mode, async_save=how == "async")]
+    elif kind == "Lightning TorchCheckpointIO":
+        plugins = [TorchCheckpointIO()]
+    elif kind == "Lightning AsyncCheckpointIO":
+        plugins = [AsyncCheckpointIO(TorchCheckpointIO())]
+    elif saves:
+        raise ValueError(kind)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=saves, callbacks=callbacks,
+                      strategy=strategy, plugins=plugins)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    return summarize_periods(module.marks, every)
+
+
+def one_rank_table(every: int, steps: int, rounds: int, models: list[str], runs: list[str]) -> None:
+    """The one-rank, free-core table (see the module docstring), printed as markdown rows."""
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    print(f"One rank, torch.set_num_threads(1), a save every {every} step(s), {steps} steps,"
+          f" median of {rounds} rounds; load {os.getloadavg()[0]:.1f}")
+    print("| model | run | step ms | vs no saves | hook -> step ms |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as root:
+        for model in models:
+            results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in runs}
+            for _ in range(rounds):  # rounds interleaved: drift in the machine's load hits every run alike
+                for kind in runs:
+                    results[kind].append(one_rank_run(kind, model, steps, every, root))
+            base = statistics.median(s for s, _ in results["no saves"]) if "no saves" in results else float("nan")
+            for kind, rows in results.items():
+                step = statistics.median(s for s, _ in rows)
+                delay = statistics.median(d for _, d in rows)
+                print(f"| {model} | {kind} | {1e3 * step:.1f} | {step / base:.2f}x |"
+                      f" {'' if kind == 'no saves' else f'{1e3 * delay:.1f}'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=None, help="8 (two ranks), 31 (--one-rank)")
+    parser.add_argument("--one-rank", action="store_true", help="the one-rank, free-core table instead")
+    parser.add_argument("--every", type=int, default=5, help="--one-rank: steps between saves")
+    parser.add_argument("--rounds", type=int, default=2, help="--one-rank: rounds, the median taken")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="--one-rank: models")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), help="--one-rank: runs")
     args = parser.parse_args()
+    if args.one_rank:
+        one_rank_table(args.every, args.steps or 31, args.rounds, args.models, args.runs)
+        return
+    args.steps = args.steps or 8
     torch.set_num_threads(1)
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as root:

@@ -77,7 +77,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         timeout, start_method: as in Fabric's ``DDPStrategy``. ``checkpoint_io`` (or
         ``Fabric(plugins=[ZeroCheckpointIO(...)])``) chooses the mode of ``fabric.save`` (``local``,
         ``sharded``, ``full``), whether it returns before the write (``async_save``) and the fsspec
-        ``storage_options``; the default is ``ZeroCheckpointIO()`` (``sharded``, asynchronous).
+        ``storage_options``; the default is ``ZeroCheckpointIO(mode="full")`` (asynchronous): with the one-line
+        change from ``"ddp"`` or litgpt's FSDP (``state_dict_type="full"``) to ``"zero2"``, ``fabric.save`` writes
+        the one file those write, which ``torch.load(path)["model"]`` and tools such as litgpt's read; pass
+        ``ZeroCheckpointIO(mode="sharded")`` for saves that every rank writes in parallel and any world size
+        reshards.
 
     A save still in flight is finished by the next ``fabric.save``, by ``fabric.load`` and by
     :meth:`teardown`, which also ends the saver's thread and coordination group (Fabric does not call it:
@@ -278,7 +282,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
-            self._checkpoint_io = ZeroCheckpointIO()
+            # The file Fabric programs written for DDP read back (see the class docstring).
+            self._checkpoint_io = ZeroCheckpointIO(mode="full")
         return self._checkpoint_io
 
     @checkpoint_io.setter

@@ -35,7 +35,8 @@ def _is_sharded_state(key: str, value: Any, sp: ShardedParam) -> bool:
     whole values (Adafactor's row factor) may be 1-D too."""
     if sp.shape_aware:
         return key in sp.split_state_keys
-    return isinstance(value, Tensor) and value.shape == sp.master.shape and value.dim() == 1
+    # dim and numel, not a comparison of torch.Size objects: a save asks this of every state tensor
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == sp.master.numel()
 
 
 def _is_full_state(key: str, value: Any, sp: ShardedParam) -> bool:
@@ -45,8 +46,8 @@ def _is_full_state(key: str, value: Any, sp: ShardedParam) -> bool:
 
 
 def _param_groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
-    fqn = {tensor: sp.fqn for sp in opt.sharded_params for tensor in (sp.param, sp.master)}
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[p] for p in g["params"]]}
+    fqn = {id(tensor): sp.fqn for sp in opt.sharded_params for tensor in (sp.param, sp.master)}  # no tensor hashing
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[id(p)] for p in g["params"]]}
             for g in opt.param_groups]
 
 
@@ -77,7 +78,9 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         for sp in opt.sharded_params:
             entry = opt.state.get(sp.master)
             if entry:
-                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
+                shape, replicas = tuple(sp.param.shape), sp.bucket.replicas  # once per parameter, not per state
+                state[sp.fqn] = {k: FlatShard(v, shape, sp.rank, ws, replicas, sp.bucket.replica_rank)
+                                 if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:
