@@ -268,8 +268,9 @@ class _SaveJob:
             if self.mode == "full" and self.team.rank != 0:
                 # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
                 state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
-            # A full file is read by other tools: its tensors keep storages of their own.
-            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode != "full")
+            # Flat buffers where a local rank file packs them ([Note: packed rank files]); DCP (sharded) would
+            # clone each view back into a storage of its own, and a full file is read by other tools.
+            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode == "local" or self.tier is not None)
         except Exception as exc:
             self.error = f"rank {self.team.rank}: staging the state failed ({type(exc).__name__}: {exc})"
         finally:
