@@ -83,7 +83,7 @@ def test_a_flipped_byte_in_tensor_data_names_the_checkpoint_the_file_and_the_ten
     into = big_tree(0.0)
     with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in .*its data changed") as error:
         load(into, str(path))
-    # A local rank file holds its tensors packed in one buffer, checked in 64 KiB chunks: the error names the
+    # A local rank file holds its tensors packed in one buffer, checked in chunks: the error names the
     # tensors of the damaged chunk ('w' and 'b' here); the other modes name the one tensor.
     named = "tensors 'w', 'b'" if mode == "local" else "tensor 'w'"
     for part in (named, target.name, repr(str(path))):

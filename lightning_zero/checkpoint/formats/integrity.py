@@ -69,9 +69,19 @@ FORMAT = 1
 
 
 CHUNK_BYTES = 64 * 2**10
-"""A tensor larger than this is checksummed in chunks of this size (a list of CRC32s): a packed buffer holds
-thousands of tensors ([Note: packed rank files] in packed.py), and a mismatch then names the ones in the
-damaged chunk. Files with one CRC32 per tensor (every earlier one) are read as before."""
+"""A packed buffer larger than this is checksummed in chunks (a list of CRC32s): it holds thousands of tensors
+([Note: packed rank files] in packed.py), and a mismatch then names the ones in the damaged chunk. Every other
+tensor has one CRC32, as in every earlier file."""
+MAX_CHUNKS = 32
+"""At most this many chunks a tensor (the chunk a multiple of :data:`CHUNK_BYTES`): every ``zlib.crc32`` call
+gives up the GIL and then waits to take it back from the training thread, so many small calls cost the
+training thread more than a few long ones (a 50 MB buffer in 64 KiB chunks made 800 hand-overs a save, and
+chunking every large tensor slowed a model of a few large ones, BENCHMARKS.md)."""
+
+
+def _chunk_bytes(nbytes: int) -> int:
+    wanted = -(-nbytes // MAX_CHUNKS)
+    return max(CHUNK_BYTES, -(-wanted // CHUNK_BYTES) * CHUNK_BYTES)
 
 
 def _bytes_of(value: Tensor) -> Any:
@@ -94,7 +104,8 @@ def checksum_of(value: Tensor | bytes) -> int | list[int]:
     if isinstance(value, (bytes, bytearray)) or value.numel() * value.element_size() <= CHUNK_BYTES:
         return crc32_of(value)
     data = _bytes_of(value)
-    return [zlib.crc32(data[start: start + CHUNK_BYTES]) for start in range(0, len(data), CHUNK_BYTES)]
+    chunk = _chunk_bytes(len(data))
+    return [zlib.crc32(data[start: start + chunk]) for start in range(0, len(data), chunk)]
 
 
 def damaged_bytes(value: Tensor | bytes, expected: int | list[int]) -> tuple[int, int] | None:
@@ -104,12 +115,13 @@ def damaged_bytes(value: Tensor | bytes, expected: int | list[int]) -> tuple[int
         return None if crc32_of(value) == expected else (0, len(value) if isinstance(value, (bytes, bytearray))
                                                           else value.numel() * value.element_size())
     data = _bytes_of(value)  # type: ignore[arg-type]
-    if len(expected) != (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES:
+    chunk = _chunk_bytes(len(data))
+    if len(expected) != -(-len(data) // chunk):
         return (0, len(data))
     for index, crc in enumerate(expected):
-        start = index * CHUNK_BYTES
-        if zlib.crc32(data[start: start + CHUNK_BYTES]) != crc:
-            return (start, min(start + CHUNK_BYTES, len(data)))
+        start = index * chunk
+        if zlib.crc32(data[start: start + chunk]) != crc:
+            return (start, min(start + chunk, len(data)))
     return None
 
 
@@ -119,22 +131,25 @@ def _checked_leaves(tree: Any) -> Iterator[tuple[str, Tensor | bytes]]:
             yield "/".join(path), leaf
 
 
-def describe(tree: Any) -> dict[str, tuple[int, list[int], str]]:
-    """``{path: (crc32, shape, dtype)}`` for every tensor and bytes leaf of ``tree``."""
-    out: dict[str, tuple[int, list[int], str]] = {}
+def describe(tree: Any, chunked: tuple[str, ...] = ()) -> dict[str, tuple[int | list[int], list[int], str]]:
+    """``{path: (crc32, shape, dtype)}`` for every tensor and bytes leaf of ``tree``; tensors under a path
+    starting with one of ``chunked`` (packed buffers) with the CRC32 of each chunk (:func:`checksum_of`)."""
+    out: dict[str, tuple[int | list[int], list[int], str]] = {}
     for key, leaf in _checked_leaves(tree):
         if isinstance(leaf, Tensor):
-            out[key] = (checksum_of(leaf), list(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+            crc = checksum_of(leaf) if chunked and key.startswith(chunked) else crc32_of(leaf)
+            out[key] = (crc, list(leaf.shape), str(leaf.dtype).removeprefix("torch."))
         else:
             out[key] = (crc32_of(leaf), [len(leaf)], "bytes")
     return out
 
 
 def header(tree: Any, save_id: str, rank: int | None = None, world_size: int | None = None,
-           shapes: dict[str, list[int]] | None = None, **extra: Any) -> dict[str, Any]:
-    """The integrity header for a file holding ``tree`` (computed on the staged copy, off the training thread)."""
+           shapes: dict[str, list[int]] | None = None, chunked: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
+    """The integrity header for a file holding ``tree`` (computed on the staged copy, off the training thread);
+    ``chunked``: see :func:`describe`."""
     return {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world_size,
-            "tensors": describe(tree) if _CHECKSUMS else None, "shapes": shapes or {}, **extra}
+            "tensors": describe(tree, chunked) if _CHECKSUMS else None, "shapes": shapes or {}, **extra}
 
 
 def split(content: Any, file: str, url: str, required: bool) -> tuple[Any, dict[str, Any] | None]:

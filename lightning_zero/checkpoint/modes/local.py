@@ -43,7 +43,7 @@ def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_si
     encoded = packed.pack(state)  # [Note: packed rank files]
     if encoded is state:
         encoded = encode_shards(state)
-    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size)
+    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size, chunked=(packed.PACKED_KEY,))
     file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress,
                           recycle=recycle)
 

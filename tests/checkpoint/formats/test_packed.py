@@ -69,7 +69,7 @@ def test_a_local_checkpoint_round_trips_packed_and_a_damaged_byte_names_the_tens
         assert torch.equal(into["model"][key].local, shard.local)
     assert torch.equal(into["optimizer"][0]["state"]["layer39.weight"]["exp_avg"],
                        tree["optimizer"][0]["state"]["layer39.weight"]["exp_avg"])
-    # One byte of the last exp_avg flipped: the error names it among the few tensors of its 64 KiB chunk.
+    # One byte of the last exp_avg flipped: the error names it among the tensors of its chunk (1 of at most 32).
     (rank_file,) = (tmp_path / "_zero_data" / "c.ckpt").glob("*/rank00000-of-00001.pt")
     data = bytearray(rank_file.read_bytes())
     needle = tree["optimizer"][0]["state"]["layer39.weight"]["exp_avg"][100:108].numpy().tobytes()
