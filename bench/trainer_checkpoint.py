@@ -50,10 +50,13 @@ from lightning_zero import ZeroCheckpointIO, ZeroLowLevelStrategy  # noqa: E402
 from lightning_zero.checkpoint import saver  # noqa: E402
 
 
-class Wide(LightningModule):
-    def __init__(self, hidden: int) -> None:
+class Net(LightningModule):
+    """``depth`` x Linear(``width``, ``width``) with AdamW; ``marks``: when each ``training_step`` started."""
+
+    def __init__(self, width: int, depth: int = 4) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(4)])
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
         self.marks: list[tuple[str, float]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -66,7 +69,7 @@ class Wide(LightningModule):
 
 
 class Clock(Callback):
-    def __init__(self, module: Wide) -> None:
+    def __init__(self, module: Net) -> None:
         self.module = module
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
@@ -102,7 +105,7 @@ def summarize(marks: list[tuple[str, float]]) -> dict[str, float]:
 
 
 class Report(Callback):
-    def __init__(self, module: Wide) -> None:
+    def __init__(self, module: Net) -> None:
         self.module = module
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -114,33 +117,9 @@ RUNS = ("no saves", "ours async local", "ours async sharded", "ours sync local",
         "Lightning TorchCheckpointIO", "Lightning AsyncCheckpointIO")
 
 
-class OneRankNet(LightningModule):
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-        self.marks: list[tuple[str, float]] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.marks.append(("step", time.perf_counter()))
-        x, y = batch
-        return F.mse_loss(self.layers(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class SaveMarks(Callback):
-    def __init__(self, module: OneRankNet) -> None:
-        self.module = module
-
-    def on_save_checkpoint(self, trainer: Trainer, *args: Any) -> None:
-        self.module.marks.append(("save", time.perf_counter()))
-
-
 def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float, float]:
     """(mean step s over whole save periods past the first, median hook -> next step s)."""
-    starts = [t for name, t in marks if name == "step"]
+    starts = [t for name, t in marks if name == "training_step"]
     first, last = every, every * ((len(starts) - 1) // every)  # step index `every` starts the 2nd period
     if last <= first:
         first, last = 1, len(starts) - 1
@@ -148,7 +127,7 @@ def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float
     delays = []
     for i, (name, t) in enumerate(marks):
         if name == "save":
-            following = next((u for n, u in marks[i:] if n == "step"), None)
+            following = next((u for n, u in marks[i:] if n == "training_step"), None)
             if following is not None:
                 delays.append(following - t)
     return step, statistics.median(delays) if delays else float("nan")
@@ -156,9 +135,9 @@ def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float
 
 def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, float]:
     width, depth = MODELS[model]
-    module = OneRankNet(width, depth)
+    module = Net(width, depth)
     data = TensorDataset(torch.randn(steps * 8, width), torch.randn(steps * 8, width))
-    callbacks: list[Callback] = [SaveMarks(module)]
+    callbacks: list[Callback] = [Clock(module)]
     saves = kind != "no saves"
     if saves:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(root, f"{model}-{kind.replace(' ', '_')}"),
@@ -235,7 +214,7 @@ def main() -> None:
 
 
 def _run_with_report(kind: str, hidden: int, steps: int, root: str) -> dict[str, float]:
-    module = Wide(hidden)
+    module = Net(hidden)
     data = TensorDataset(torch.randn(steps * 8, hidden), torch.randn(steps * 8, hidden))
     callbacks: list[Callback] = [Clock(module), Report(module)]
     if kind != "no saves":
