@@ -174,9 +174,9 @@ class StagingClock(Callback):
 
         real_stage = Stager.stage
 
-        def slow_stage(stager: Stager, tree: Any, *args: Any) -> Any:
+        def slow_stage(stager: Stager, tree: Any, *args: Any, **kwargs: Any) -> Any:
             time.sleep(self.delay)
-            staged = real_stage(stager, tree, *args)
+            staged = real_stage(stager, tree, *args, **kwargs)
             self.events.append(("staged", time.perf_counter()))
             return staged
 
