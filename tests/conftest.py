@@ -52,6 +52,7 @@ E2E_MODULES = frozenset({
     "faults/test_killed_job",  # a training script SIGKILLed mid-save
     "faults/test_clean_exit",  # fit and resume scripts must exit cleanly
     "faults/test_endurance",  # 200 saves: minutes, not a fresh interpreter
+    "engine/test_ddp_style_ending",  # functional-API programs that destroy their group or exit mid-gather
 })
 """Test modules (paths under tests/, without .py) in the ``e2e`` tier: their tests start fresh
 interpreters (a command, an example or bench script, torchrun) or run for minutes. Every test in them
