@@ -61,8 +61,7 @@ class Stager:
         ``flat=False``: each CPU tensor a storage of its own (a file other tools read, where a tensor that is
         a view of a larger storage would carry all of it)."""
         if ready is None:
-            return _stage_on_host(tree) if flat else _map_tensors(
-                tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu"))
+            return _stage_on_host(tree) if flat else _clone_each(tree)
         event, device = ready
         torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
@@ -88,14 +87,31 @@ class Stager:
         return list(self._host.values())
 
 
+FLAT_MIN_TENSORS = 64
+FLAT_MAX_MEAN_BYTES = 2**20
+"""Flat staging pays where a tree has many small tensors (at least :data:`FLAT_MIN_TENSORS`, of at most
+:data:`FLAT_MAX_MEAN_BYTES` on average): there the per-tensor Python of a clone, a pickled record and a CRC32
+each held the GIL for longer than the copy took. A tree of a few large tensors gains nothing from it and was
+measured slower with it (one large fresh buffer, BENCHMARKS.md), so it is cloned tensor by tensor."""
+
+
+def _clone_each(tree: Any) -> Any:
+    """``tree`` with every tensor copied to the host into a storage of its own."""
+    return _map_tensors(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu"))
+
+
 def _stage_on_host(tree: Any) -> Any:
     """``tree`` with its CPU tensors copied into one flat buffer per dtype (views of it, each tensor object
-    once), in one ``_foreach_copy_`` per dtype; a tensor on another device (a caller's meta or CUDA tensor
-    without a CUDA stream to order by) is copied to the host alone."""
+    once), in one ``_foreach_copy_`` per dtype, when it has many small tensors (else cloned one by one); a
+    tensor on another device (a caller's meta or CUDA tensor without a CUDA stream to order by) is copied to
+    the host alone."""
     unique: dict[int, Tensor] = {}
     for tensor in _tensors(tree):
         if tensor.device.type == "cpu" and not tensor.is_sparse:
             unique.setdefault(id(tensor), tensor.detach())
+    if len(unique) < FLAT_MIN_TENSORS or \
+            sum(t.numel() * t.element_size() for t in unique.values()) > FLAT_MAX_MEAN_BYTES * len(unique):
+        return _clone_each(tree)
     by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
     for key, tensor in unique.items():
         by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
