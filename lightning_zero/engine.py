@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from lightning_zero import _collectives as comm
 from lightning_zero._compat import run_at_trace_time
 from lightning_zero.comm_pool import BufferPool
-from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
+from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam, adopt_param_writes
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
 from lightning_zero.optimizer_kinds import optimizer_kind
@@ -368,19 +368,7 @@ class ZeroEngine:
             # A written parameter was read through its module, which finished its gather; the
             # others must hold the last gather before their values are compared.
             self.finish_param_gather()
-        # Masters in the parameters' own dtype take this rank's elements in one foreach copy (a save of a
-        # model of many small parameters compares them all: a Python call per parameter held the GIL).
-        same_dtype = [sp for sp in self.sharded_params.values() if sp.master.dtype == sp.param.dtype
-                      and (compare_values or sp.param._version != sp.adopted_version)]
-        if same_dtype:
-            torch._foreach_copy_([sp.master for sp in same_dtype],
-                                 [sp.own_elements(sp.param.detach()) for sp in same_dtype])
-            for sp in same_dtype:
-                sp.adopted_version = sp.param._version
-        taken = set(map(id, same_dtype))
-        for sp in self.sharded_params.values():
-            if id(sp) not in taken:
-                sp.adopt_param_writes(compare_values)
+        adopt_param_writes(self.sharded_params.values(), compare_values)
 
     def broadcast_buffers(self) -> None:
         """(collective over the engine's group) Rank 0's buffers on every rank: DDP's ``broadcast_buffers``

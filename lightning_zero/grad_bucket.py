@@ -100,25 +100,6 @@ class ShardedParam:
         # write through ``.data`` and do not ([Note: the module is the truth] in engine.py).
         self.adopted_version = param._version
 
-    @torch.no_grad()
-    def adopt_param_writes(self, compare_values: bool) -> bool:
-        """Take into the master what was written into this rank's elements of the parameter since
-        the master last agreed with it; True if something may have been. Elements still equal to the
-        master in the parameter's dtype keep the master (its fp32 precision under bf16 parameters).
-        ``compare_values`` also finds writes that leave the version as it was (``p.data.copy_``);
-        the parameter must then hold the last gather."""
-        version = self.param._version
-        if version == self.adopted_version and not compare_values:
-            return False
-        own = self.own_elements(self.param.detach())
-        if own.dtype == self.master.dtype:
-            self.master.copy_(own)
-        else:
-            written = own != self.master.to(own.dtype)
-            self.master.copy_(torch.where(written, own.to(self.master.dtype), self.master))
-        self.adopted_version = version
-        return True
-
     def own_elements(self, full: Tensor) -> Tensor:
         """This rank's elements of a tensor shaped like the parameter (1D view)."""
         return full.reshape(-1)[self.layout.local_slice(self.rank)]
@@ -146,6 +127,26 @@ class ShardedParam:
     def rows(self, buffer: Tensor) -> Tensor:
         """This parameter's ``[shard_size, chunk]`` column block of a bucket buffer."""
         return buffer[:, self.offset : self.offset + self.layout.chunk]
+
+
+@torch.no_grad()
+def adopt_param_writes(params: Iterable[ShardedParam], compare_values: bool) -> None:
+    """Take into each master what was written into this rank's elements of its parameter since the master
+    last agreed with it (the parameter's autograd version moved; ``compare_values``: always, which also finds
+    writes that leave the version as it was, ``p.data.copy_``, and needs the parameters to hold the last
+    gather). Elements still equal to the master in the parameter's dtype keep the master (its fp32 precision
+    under bf16 parameters). Masters in their parameter's own dtype take their elements in one foreach copy:
+    a save of a model of many small parameters compares them all, and a Python call each held the GIL."""
+    written = [(sp, sp.param._version) for sp in params if compare_values or sp.param._version != sp.adopted_version]
+    same_dtype = [sp for sp, _ in written if sp.master.dtype == sp.param.dtype]
+    if same_dtype:
+        torch._foreach_copy_([sp.master for sp in same_dtype], [sp.own_elements(sp.param.detach()) for sp in same_dtype])
+    for sp, version in written:
+        if sp.master.dtype != sp.param.dtype:
+            own = sp.own_elements(sp.param.detach())
+            changed = own != sp.master.to(own.dtype)
+            sp.master.copy_(torch.where(changed, own.to(sp.master.dtype), sp.master))
+        sp.adopted_version = version
 
 
 class PresenceCounts:

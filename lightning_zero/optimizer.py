@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero import _collectives as comm
 from lightning_zero._compat import is_compiled_function, run_at_trace_time
-from lightning_zero.grad_bucket import GradBucket, ShardedParam
+from lightning_zero.grad_bucket import GradBucket, ShardedParam, adopt_param_writes
 from lightning_zero.grad_reducer import GradReducer
 from lightning_zero.optimizer_kinds import updates_each_parameter_alone
 from lightning_zero.param_gather import ParamGatherer
@@ -194,8 +194,7 @@ class ZeroOptimizer(Optimizer):
         """Take weights written in place into the module's parameters (``load_state_dict``,
         ``p.copy_``, a callback's transfer) into this optimizer's master shards: one version read per
         parameter when nothing was written ([Note: the module is the truth] in engine.py)."""
-        for sp in self.sharded_params:
-            sp.adopt_param_writes(compare_values=False)
+        adopt_param_writes(self.sharded_params, compare_values=False)
 
     def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call ``hook()`` in :meth:`step` after the closure and right before the shards change.
