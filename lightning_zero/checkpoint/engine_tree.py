@@ -78,9 +78,7 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         for sp in opt.sharded_params:
             entry = opt.state.get(sp.master)
             if entry:
-                shape, replicas = tuple(sp.param.shape), sp.bucket.replicas  # once per parameter, not per state
-                state[sp.fqn] = {k: FlatShard(v, shape, sp.rank, ws, replicas, sp.bucket.replica_rank)
-                                 if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
+                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:
