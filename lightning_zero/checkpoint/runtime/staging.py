@@ -27,13 +27,12 @@ saves as a few records ([Note: packed rank files] in formats/packed.py).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 
 
 def ready_event(tree: Any) -> tuple[torch.cuda.Event, torch.device] | None:
@@ -95,9 +94,14 @@ each held the GIL for longer than the copy took. A tree of a few large tensors g
 measured slower with it (one large fresh buffer, BENCHMARKS.md), so it is cloned tensor by tensor."""
 
 
+def _host_copy(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` on the host, in a storage of its own."""
+    return tensor.detach().clone() if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+
+
 def _clone_each(tree: Any) -> Any:
     """``tree`` with every tensor copied to the host into a storage of its own."""
-    return _map_tensors(tree, lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu"))
+    return _map_tensors(tree, lambda _, t: _host_copy(t))
 
 
 def _stage_on_host(tree: Any) -> Any:
@@ -122,17 +126,7 @@ def _stage_on_host(tree: Any) -> Any:
         views = torch._C._nn.unflatten_dense_tensors(flat, sources)  # one call: a view per tensor
         torch._foreach_copy_(views, sources)
         staged.update((key, view) for (key, _), view in zip(items, views))
-
-    def leaf(value: Any) -> Any:
-        if isinstance(value, FlatShard):
-            shard = copy.copy(value)  # dataclasses.replace costs several times more, per shard
-            shard.local = staged[id(value.local)] if id(value.local) in staged else value.local.detach().to("cpu")
-            return shard
-        if isinstance(value, Tensor):
-            return staged[id(value)] if id(value) in staged else value.detach().to("cpu", copy=True)
-        return value
-
-    return map_leaves(tree, leaf)
+    return _map_tensors(tree, lambda _, t: staged[id(t)] if id(t) in staged else _host_copy(t))
 
 
 def _tensors(tree: Any) -> list[Tensor]:
@@ -150,7 +144,9 @@ def _map_tensors(tree: Any, fn: Any) -> Any:
 
     def leaf(path: str, value: Any) -> Any:
         if isinstance(value, FlatShard):
-            return dataclasses.replace(value, local=fn(path, value.local))
+            shard = copy.copy(value)  # dataclasses.replace costs several times more, and a save has thousands
+            shard.local = fn(path, value.local)
+            return shard
         return fn(path, value) if isinstance(value, Tensor) else value
 
     return map_with_path(tree, leaf)
