@@ -47,6 +47,11 @@ class CheckpointCorruptError(RuntimeError):
     """The checkpoint is committed but its data is missing or damaged."""
 
 
+RESUME_ELSEWHERE = "Resume from another checkpoint."
+"""The advice that ends a :class:`CheckpointCorruptError` read by a user; a recovery that goes on to another
+checkpoint by itself leaves it out of what it reports (``tier_recovery``)."""
+
+
 @dataclass(frozen=True)
 class Location:
     """A checkpoint path resolved to an fsspec filesystem."""

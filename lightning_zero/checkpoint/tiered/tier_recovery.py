@@ -161,8 +161,8 @@ def resolve_last(tier: LocalTier, root: str, durable_candidates: list[str],
                 choice = _take_local(newest, holders[newest["save_id"]], gathered, node_of, root, team,
                                      shard_group_size, durable_url, reason)
             except tier_reshard.ReshardFailed as exc:
-                # The cause alone: its advice to resume from another checkpoint is what happens next.
-                cause = str(exc).removesuffix(" Resume from another checkpoint.").rstrip(". ")
+                # The causes alone (a reshard joins one per rank): their advice is what happens next.
+                cause = str(exc).replace(f" {storage.RESUME_ELSEWHERE}", "").rstrip(". ")
                 rank_zero_warn(f'ckpt_path="last": the local-tier checkpoint {newest["name"]!r} (step'
                                f' {newest["key"][0]}) cannot be used ({cause}); resuming from the next newest'
                                ' complete state instead.')
