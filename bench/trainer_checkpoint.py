@@ -89,15 +89,21 @@ class Clock(Callback):
         saver.wait_for_staging = timed_wait
 
 
-def summarize(marks: list[tuple[str, float]]) -> dict[str, float]:
-    step_starts = [t for name, t in marks if name == "training_step"]
-    steps = [b - a for a, b in zip(step_starts[1:], step_starts[2:])]  # the first step warms up
+def save_delays(marks: list[tuple[str, float]]) -> list[float]:
+    """Seconds from each save hook to the next ``training_step`` start."""
     delays = []
     for i, (name, t) in enumerate(marks):
         if name == "save":
-            nxt = next((u for n, u in marks[i:] if n == "training_step"), None)
-            if nxt is not None:
-                delays.append(nxt - t)
+            following = next((u for n, u in marks[i:] if n == "training_step"), None)
+            if following is not None:
+                delays.append(following - t)
+    return delays
+
+
+def summarize(marks: list[tuple[str, float]]) -> dict[str, float]:
+    step_starts = [t for name, t in marks if name == "training_step"]
+    steps = [b - a for a, b in zip(step_starts[1:], step_starts[2:])]  # the first step warms up
+    delays = save_delays(marks)
     waits = [t for name, t in marks if name == "update_wait"]
     return {"step_s": statistics.median(steps) if steps else float("nan"),
             "start_delay_ms": 1e3 * statistics.median(delays) if delays else 0.0,
@@ -124,12 +130,7 @@ def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float
     if last <= first:
         first, last = 1, len(starts) - 1
     step = (starts[last] - starts[first]) / (last - first)
-    delays = []
-    for i, (name, t) in enumerate(marks):
-        if name == "save":
-            following = next((u for n, u in marks[i:] if n == "training_step"), None)
-            if following is not None:
-                delays.append(following - t)
+    delays = save_delays(marks)
     return step, statistics.median(delays) if delays else float("nan")
 
 

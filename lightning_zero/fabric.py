@@ -334,7 +334,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if not saved_optimizers:
             # No optimizer state: the file Fabric's DDP writes, in every mode ([Note: model-only saves] in
             # checkpoint/lightning/lightning_tree.py): the state as given, the module as its state_dict().
-            tree = plain_fabric_tree([(key, rest.get(key)) for key in state], module_key, module, engine,
+            # The state's keys in the caller's order, each value as ``rest`` converted it (the module's is replaced).
+            tree = plain_fabric_tree({key: rest.get(key) for key in state}, module_key, module, engine,
                                      keep=filter.get(module_key))
             write(tree, os.fspath(path), mode="full", storage_options=options, plain=True)
             if io.async_save:

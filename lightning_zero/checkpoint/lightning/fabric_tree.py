@@ -59,7 +59,7 @@ def fabric_tree(state: dict[str, Any], module_key: str, optimizer_keys: dict[str
     return tree
 
 
-def plain_fabric_tree(state: list[tuple[str, Any]], module_key: str, module: nn.Module, engine: ZeroEngine | None,
+def plain_fabric_tree(state: dict[str, Any], module_key: str, module: nn.Module, engine: ZeroEngine | None,
                       keep: Callable[[str, Tensor], bool] | None = None) -> dict[str, Any]:
     """The file ``fabric.save(path, state)`` writes when ``state`` holds no optimizer, in every mode: what Fabric's
     DDP writes ([Note: model-only saves] in lightning_tree.py), the state's keys in its order with the module as
@@ -68,6 +68,6 @@ def plain_fabric_tree(state: list[tuple[str, Any]], module_key: str, module: nn.
     weights = module.state_dict()  # finishes the step's gathers: the file holds the whole weights
     if keep is not None:
         weights = {k: v for k, v in weights.items() if keep(k, v.detach())}
-    tree = plain_tree({key: weights if key == module_key else value for key, value in state}, module, engine)
+    tree = plain_tree({key: weights if key == module_key else value for key, value in state.items()}, module, engine)
     tree.pop(TREE_TAG)
     return tree
