@@ -43,6 +43,7 @@ bench: install
 	$(PY) bench/checkpoint.py
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/trainer_checkpoint.py --one-rank
+	$(PY) bench/save_phases.py
 	$(PY) bench/write_loop.py
 	$(PY) bench/recovery.py
 
