@@ -202,6 +202,8 @@ _LIVE_GATHERERS: weakref.WeakSet[ParamGatherer] = weakref.WeakSet()
 
 log = logging.getLogger(__name__)
 
+_GUARDED = False  # destroy_process_group wrapped and the exit drain registered ([Note: gathers outlive no group])
+
 
 def drain_all_gathers() -> None:
     """(this rank) Every gather this process launched has completed when this returns; a failed one is
@@ -242,9 +244,6 @@ def _guard_group_teardown() -> None:
     dist.destroy_process_group = destroy_process_group
     dist.distributed_c10d.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
     atexit.register(drain_all_gathers)
-
-
-_GUARDED = False
 
 
 def compiled_read_traced(_ctx: Any = None) -> None:
