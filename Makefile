@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	# constraints.txt pins a set known to resolve together (botocore within aiobotocore's range).
-	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test,ft]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -215,6 +215,40 @@ def restart_training_iterator(trainer: Any) -> None:
         iter(fetcher)
 
 
+def loop_counters(trainer: Any) -> dict[str, Any]:
+    """The fit loop's step counters (Lightning 2.5, 2.6): ``epoch_loop.automatic_optimization.optim_progress``
+    (``trainer.global_step`` is its optimizer steps), ``epoch_loop._batches_that_stepped`` (the loggers'
+    step) and ``epoch_progress`` (``current_epoch``), for a heal ([Note: healing] in fault_tolerance.py)."""
+    loop = trainer.fit_loop
+    return {"optim_progress": loop.epoch_loop.automatic_optimization.optim_progress.state_dict(),
+            "batches_that_stepped": loop.epoch_loop._batches_that_stepped,
+            "epoch_progress": loop.epoch_progress.state_dict()}
+
+
+def load_loop_counters(trainer: Any, counters: dict[str, Any], in_step: bool) -> None:
+    """Put :func:`loop_counters` of a live peer (read between its steps) into this trainer. ``in_step``:
+    it is inside its optimizer step, which Lightning counted as ready and counts completed afterwards."""
+    loop = trainer.fit_loop
+    progress = loop.epoch_loop.automatic_optimization.optim_progress
+    progress.load_state_dict(counters["optim_progress"])
+    if in_step:
+        progress.optimizer.step.increment_ready()
+    loop.epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
+    loop.epoch_progress.load_state_dict(counters["epoch_progress"])
+
+
+def discard_optimizer_step(trainer: Any) -> None:
+    """Inside an optimizer step that will not be applied: neither ``trainer.global_step`` (counted ready
+    before the step, completed after it) nor the loggers' step (``_batches_that_stepped``, counted after
+    the batch) advance for it (Lightning 2.5, 2.6)."""
+    loop = trainer.fit_loop.epoch_loop
+    step = loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (step.total, step.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
+    loop._batches_that_stepped -= 1
+
+
 # jsonargparse ------------------------------------------------------------------------------------
 
 MIN_JSONARGPARSE = "4.41"

@@ -24,7 +24,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from lightning_zero.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_
 from lightning_zero.optimizer_kinds import optimizer_kind
 from lightning_zero.param_gather import ParamGatherer, compiled_read_traced
 from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
+
+if TYPE_CHECKING:
+    from lightning_zero.fault_tolerance import ReplicaGroups
 
 _MB = 1024 * 1024
 
@@ -173,7 +176,7 @@ class ZeroEngine:
     """Owns the shards, buckets, hooks and wrapped optimizers of one module."""
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], config: ZeroConfig,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, replica_groups: ReplicaGroups | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ZeroEngine needs torch.distributed to be initialized (init_process_group).")
         self.config = config
@@ -191,6 +194,19 @@ class ZeroEngine:
         _broadcast_module_states(module, group)
         # The shards are disjoint within ``shard_group``; ``replica_group`` holds this rank's copies.
         self.shard_group, self.replica_group = _hybrid_groups(group, self.layout)
+        # Fault tolerance: the shards are replicated across replica groups, averaged through torchft
+        # ([Note: one step across groups] in fault_tolerance.py), in place of an in-job replica group.
+        self.replica_groups = replica_groups
+        if replica_groups is not None:
+            if self.layout.num_replicas > 1:
+                raise ValueError("Fault tolerance replicates across replica groups (jobs): shard_group_size must be None"
+                                 " (each group shards over all of its ranks).")
+            if config.full_gradients:
+                raise ValueError("Fault tolerance averages each rank's shard across replica groups: full_gradients=True"
+                                 " (every rank's whole gradient) is not available with it.")
+            if len(optimizers) != 1:
+                raise ValueError(f"Fault tolerance commits one optimizer step at a time: the module has"
+                                 f" {len(optimizers)} optimizers; use one (with several parameter groups).")
 
         self.device = _module_device(module, group)
         self._module = module
@@ -221,9 +237,15 @@ class ZeroEngine:
         self.pool = BufferPool()
         self.gatherer = ParamGatherer(self.buckets, self.gather_group, self.pool, config.overlap_communication,
                                       background=config.overlap_param_gather and self.shard_size > 1)
+        cross = self.replica_groups
         self.reducer = GradReducer(self.buckets, config.stage, self.shard_group, config.overlap_communication,
-                                   self.pool, presence, before_first_reduction=self.finish_param_gather,
-                                   replica_group=self.replica_group, full_gradients=config.full_gradients)
+                                   self.pool, presence,
+                                   before_first_reduction=self.finish_param_gather if cross is None
+                                   else self._before_cross_group_reduction,
+                                   replica_group=self.replica_group if cross is None else cross,
+                                   full_gradients=config.full_gradients)
+        if cross is not None:
+            cross.bind(self.buckets)
         if self.optimizers:
             for zero_opt in self.optimizers:
                 zero_opt.bind([self.sharded_params[p] for g in zero_opt.param_groups for p in g["params"]],
@@ -328,6 +350,15 @@ class ZeroEngine:
 
     def ensure_flushed(self) -> None:
         self.reducer.ensure_flushed()
+
+    def _before_cross_group_reduction(self) -> None:
+        self.finish_param_gather()
+        assert self.replica_groups is not None
+        self.replica_groups.before_reduction()
+
+    def module_buffers(self) -> list[Tensor]:
+        """The module's buffers (the same on every rank: broadcast before each forward)."""
+        return list(self._module.buffers())
 
     def finish_param_gather(self) -> None:
         """Finish every pending parameter all-gather, so the model holds the updated weights.

@@ -57,6 +57,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,12 @@ from torch import Tensor, nn
 from lightning_zero import _collectives as comm
 from lightning_zero.comm_pool import BufferPool
 from lightning_zero.sharding import EvenShard, HybridLayout
+
+
+class ReplicaHop(Protocol):
+    """A second hop that is not a process group of this job: fault_tolerance.ReplicaGroups."""
+
+    def all_reduce(self, tensor: Tensor) -> Any: ...
 
 
 def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -300,7 +307,7 @@ class GradBucket:
 
     def launch_reduce(self, pool: BufferPool, slot: int, reduce_scatter: bool,
                       group: dist.ProcessGroup | None, async_op: bool,
-                      replica_group: dist.ProcessGroup | None = None) -> None:
+                      replica_group: dist.ProcessGroup | ReplicaHop | None = None) -> None:
         """``reduce_scatter``: leave only this rank's row (native reduce-scatter backends); otherwise
         all-reduce the buffer in place and take the row (gloo: see [Note: gloo reduce-scatter] in
         grad_reducer.py). ``replica_group``: the second hop of [Note: hybrid reduction], launched by
@@ -333,7 +340,11 @@ class GradBucket:
         if pending.replica_group is None:
             return
         comm.wait(pending.work)
-        pending.work = comm.all_reduce(pending.output, pending.replica_group, pending.async_op)
+        hop = pending.replica_group
+        if isinstance(hop, dist.ProcessGroup):
+            pending.work = comm.all_reduce(pending.output, hop, pending.async_op)
+        else:  # across replica groups: [Note: one step across groups] in fault_tolerance.py
+            pending.work = hop.all_reduce(pending.output)
         pending.replica_group = None
 
     def finish_reduce(self, pool: BufferPool, full_gradients: bool = False) -> None:
@@ -387,7 +398,8 @@ class PendingReduce:
     work: comm.Work
     output: Tensor  # this rank's row (in the pooled slot), flags after the chunks
     slot: int
-    replica_group: dist.ProcessGroup | None = None  # hybrid: the hop still to launch (None once launched)
+    # hybrid: the hop still to launch (None once launched); a ReplicaGroups across replica groups
+    replica_group: dist.ProcessGroup | ReplicaHop | None = None
     async_op: bool = True
     rows: Tensor | None = None  # [shard_size, reduce_numel]: every row, when all-reduced (full gradients)
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_zero import _collectives as comm
 from lightning_zero.comm_pool import BufferPool
-from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam
+from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ReplicaHop, ShardedParam
 
 
 class ReduceState(enum.Enum):
@@ -55,7 +55,7 @@ class GradReducer:
     def __init__(self, buckets: Sequence[GradBucket], stage: int, group: dist.ProcessGroup | None,
                  overlap_communication: bool, pool: BufferPool, presence: PresenceCounts,
                  before_first_reduction: Callable[[], None] = lambda: None,
-                 replica_group: dist.ProcessGroup | None = None, full_gradients: bool = False) -> None:
+                 replica_group: dist.ProcessGroup | ReplicaHop | None = None, full_gradients: bool = False) -> None:
         """``presence``: the counts the communicating ``buckets`` were built with."""
         self.buckets = [b for b in buckets if b.communicates]
         self.full_gradients = full_gradients  # stage 1: whole averaged gradients in param.grad too

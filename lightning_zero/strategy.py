@@ -8,6 +8,7 @@ state to the checkpoint plugin.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -30,6 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import _compat
 from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
@@ -43,6 +45,7 @@ from lightning_zero.checkpoint.lightning.hook_weights import (
 )
 from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
 from lightning_zero.optimizer import ZeroOptimizer
 
 
@@ -85,6 +88,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             error for them).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        fault_tolerance: a :class:`~lightning_zero.FaultTolerance`: this job is one replica group of a
+            fault-tolerant job (torchft); a group lost costs the others one step ("Fault tolerance" guide).
     """
 
     strategy_name = "zero_low_level"
@@ -111,6 +116,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         whole_step_group_mb: float | None = 1024.0,
         full_gradients: bool = False,
         release_grad_shards: bool = True,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         if nonfinite_loss not in ("ignore", "raise", "skip"):
             raise ValueError(f"nonfinite_loss must be 'ignore', 'raise' or 'skip', got {nonfinite_loss!r}.")
@@ -138,12 +144,24 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._last_shard_numel: int | None = None
         self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
         self._pending_weights: PendingWeights | None = None
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
+        self._fault_tolerance = fault_tolerance
+        self._replica_groups: ReplicaGroups | None = None
+        self._undo_schedulers: list[tuple[Any, dict[str, Any]]] = []  # after a discarded step ([Note: one step across groups])
+        self._undo_hyper: list[dict[str, Any]] | None = None
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         assert self._launcher is not None
         self._launcher.launch = LaunchWithFixes(self._launcher)  # type: ignore[method-assign]
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """The fault tolerance settings, with what the last optimizer step did (``committed``,
+        ``participants``, ``heals``, ...); None without fault tolerance."""
+        return self._fault_tolerance
 
     @property
     def stage(self) -> int:
@@ -206,7 +224,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
                            " shards nothing; the module's weights stay as they are.")
             _sync_module_states(self.model)
         elif fitting:
-            self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config)
+            self._replica_groups = self._join_replica_groups(trainer)
+            self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config, replica_groups=self._replica_groups)
             # Once, now that dtypes are final and no gather is in flight: per save it would wait
             # for the step's overlapped gathers on the training thread (module_meta's docstring).
             self._module_meta = engine_tree.module_meta(self.model)
@@ -217,6 +236,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 # The only mutation of checkpointed tensors: a save still staging must finish first.
                 # After the closure, so staging overlaps training_step and backward (BENCHMARKS.md measures it).
                 optimizer.register_pre_update_hook(self._wait_for_staging)
+            if self._replica_groups is not None:
+                self._serve_heals(trainer, self._replica_groups)
         else:
             self.optimizers = []
             self.lr_scheduler_configs = []
@@ -224,6 +245,60 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             # Saves coordinate in the background, also after validate/test; the local tier needs the node.
             self.checkpoint_io.set_up(self.num_processes, node_rank=self.node_rank, local_rank=self.local_rank)
+
+    def _join_replica_groups(self, trainer: Trainer) -> ReplicaGroups | None:
+        """This rank's torchft Manager, for ``fault_tolerance`` ([Note: one step across groups])."""
+        if self._fault_tolerance is None:
+            return None
+        if self._replica_groups is not None:
+            self._replica_groups.close()
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError("Fault tolerance decides each step in the optimizer step of automatic optimization;"
+                             " with `automatic_optimization = False` turn fault_tolerance off.")
+        return ReplicaGroups(self._fault_tolerance, self.global_rank, self.world_size, self.root_device)
+
+    def _serve_heals(self, trainer: Trainer, groups: ReplicaGroups) -> None:
+        """What a heal transfers ([Note: healing] in fault_tolerance.py), and the commit decision before each
+        update: a discarded step changes no shard and no counter, and its LR schedulers do not step."""
+        engine = self.engine
+
+        def save_trainer() -> dict[str, Any]:
+            return {"loops": _compat.loop_counters(trainer),
+                    "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+
+        def load_trainer(state: dict[str, Any]) -> None:
+            _compat.load_loop_counters(trainer, state["loops"], in_step=not groups.joining)
+            for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
+                config.scheduler.load_state_dict(saved)
+
+        groups.register_state("engine", lambda: engine_state(engine), lambda state: load_engine_state(engine, state))
+        groups.register_state("trainer", save_trainer, load_trainer)
+        for optimizer in engine.optimizers:
+            optimizer.register_pre_update_hook(functools.partial(self._decide_step, trainer, groups, optimizer))
+
+    def _decide_step(self, trainer: Trainer, groups: ReplicaGroups, optimizer: ZeroOptimizer) -> None:
+        heals = groups.config.heals
+        if groups.commit():
+            return
+        optimizer.skip_next_update()
+        _compat.discard_optimizer_step(trainer)
+        # The Trainer steps the LR schedulers after this step all the same: undone before the next batch.
+        self._undo_schedulers = [(config.scheduler, config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
+                                 if config.interval == "step"]
+        self._undo_hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if groups.config.heals != heals:
+            # Healed but not committed: the module's parameters are rebuilt from the healed masters now.
+            optimizer.gather_params(all_buckets=True)
+
+    def _undo_scheduler_steps(self) -> None:
+        """Back to the LR schedulers and hyper-parameters of before a discarded step's scheduler step."""
+        if self._undo_hyper is None:
+            return
+        for scheduler, state in self._undo_schedulers:
+            scheduler.load_state_dict(state)
+        for group, hyper in zip(self.engine.optimizers[0].param_groups, self._undo_hyper, strict=True):
+            group.update(hyper)
+        self._undo_schedulers, self._undo_hyper = [], None
 
     def _wait_for_staging(self) -> None:
         """The staging fence: a save still copying the state finishes before it changes."""
@@ -334,6 +409,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         # After the callbacks' and the module's on_fit_start/on_train_start (and on_load_checkpoint).
         self._adopt_module_writes()
+        if self._replica_groups is not None:
+            self._replica_groups.join()  # a group behind the others heals before its first forward
         super().on_train_start()
 
     @override
@@ -342,6 +419,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         # fine-tuning callback unfreezes a part of the model.
         if self._engine is not None and self._engine_live and self._engine.trainable_changed():
             self._engine.rebuild()  # [Note: rebuilding] in engine.py
+        if self._replica_groups is not None and self._engine_live:
+            self._undo_scheduler_steps()
+            self._replica_groups.start_step()  # the lighthouse answers while the forward runs
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -548,6 +628,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
             self._engine_live = False
+        if self._replica_groups is not None:
+            self._replica_groups.close()
+            self._replica_groups = None
         super().teardown()  # the plugin's teardown finalizes the save in flight
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             self.checkpoint_io.release()  # its thread and group end with the run; a later save makes them again
@@ -602,3 +685,4 @@ def _unwrap(optimizer: Optimizer) -> ZeroOptimizer:
             " Optimizers must come from `configure_optimizers`."
         )
     return optimizer
+

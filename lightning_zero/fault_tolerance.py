@@ -1,0 +1,327 @@
+"""Fault tolerance across replica groups, on torchft: a lost group costs one step, not a restart.
+
+A *replica group* is one ordinary job of K ranks (one torchrun or SLURM job), ZeRO-sharded inside as
+without fault tolerance. Across groups, each bucket's reduced shard is averaged through a torchft
+``Manager``'s process group (the same group rank in every group holds the same shard), and the update
+is applied only when the Manager says every participant's reduction succeeded.
+
+[Note: one step across groups] Per optimizer step, on every rank of every group:
+
+1. :meth:`ReplicaGroups.start_step` starts the quorum (the strategy calls it before the forward, so
+   the lighthouse's answer overlaps it; otherwise the first reduction starts it);
+2. the first reduction of the backward waits for the quorum and sets each bucket's divisor to
+   ``K * participants`` (:meth:`ReplicaGroups.before_reduction`): a healing group is not a
+   participant (torchft zeroes its contribution);
+3. each bucket's second hop (``[Note: hybrid reduction]`` in grad_bucket.py) is
+   :meth:`ReplicaGroups.all_reduce`, a sum over the participating groups; a failure there is
+   swallowed by the Manager and remembered;
+4. before the update (a pre-update hook) :meth:`ReplicaGroups.commit` asks ``should_commit``: all
+   ranks of a group get the same answer, and a group whose peers failed during the step discards
+   it (no shard, moment or counter changes) and goes on in the same process with the next quorum.
+
+[Note: healing] A group that (re)joins behind the others is healed by torchft from a live group,
+group rank to group rank: the state this rank registered (:meth:`ReplicaGroups.register_state`:
+the engine's masters, optimizer state and buffers from :func:`engine_state`, and whatever the
+front end adds: loop counters, LR schedulers, the data position) is served by the source's
+checkpoint server while its training thread runs forward and backward (nothing it serves changes
+before its own ``should_commit``, which waits for the transfer), and applied on the healer's
+training thread inside ``should_commit``, before the update. The healer's gradient of that step
+counts for nothing (zeroed), so it applies the participants' average to the healed state and ends
+the step bit-identical to its source; its parameters are rebuilt by the step's all-gather.
+
+This module imports torchft only when a :class:`ReplicaGroups` is built; without fault tolerance
+nothing of torchft is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_zero.engine import ZeroEngine
+
+FT_EXTRA = 'pip install "lightning-zero[ft]"'
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+class FaultTolerance:
+    """Fault tolerance across replica groups (torchft), for ``ZeroLowLevelStrategy(fault_tolerance=...)``.
+
+    Args:
+        replica_group_id: this group's id (every rank of one group passes the same; groups differ).
+        lighthouse: the torchft lighthouse's address (``http://host:port``); defaults to
+            ``$TORCHFT_LIGHTHOUSE``.
+        min_replica_groups: the fewest groups a step may commit with.
+        timeout_s: bounds every cross-group collective, ``should_commit`` and a heal's transfer.
+        quorum_timeout_s: bounds the wait for the lighthouse's quorum (at the start, groups starting at
+            different times wait for each other until the lighthouse's ``--min_replicas`` have joined).
+
+    After each optimizer step the strategy's ``fault_tolerance`` reports ``committed`` (was the step
+    applied), ``participants`` (groups in its quorum), ``heals`` (how often this group was healed),
+    ``last_heal_s`` (the last heal's transfer and load) and ``last_stall_s`` (the last discarded
+    step: from its start to the decision), and ``discarded`` (steps discarded so far).
+    """
+
+    def __init__(self, replica_group_id: int, lighthouse: str | None = None, min_replica_groups: int = 1,
+                 timeout_s: float = 10.0, quorum_timeout_s: float = 60.0) -> None:
+        if not isinstance(replica_group_id, int) or replica_group_id < 0:
+            raise ValueError(f"replica_group_id must be an int >= 0, got {replica_group_id!r}.")
+        if min_replica_groups < 1:
+            raise ValueError(f"min_replica_groups must be at least 1, got {min_replica_groups}.")
+        if timeout_s <= 0 or quorum_timeout_s <= 0:
+            raise ValueError(f"timeout_s and quorum_timeout_s must be positive, got {timeout_s}, {quorum_timeout_s}.")
+        self.replica_group_id = replica_group_id
+        self.lighthouse = lighthouse
+        self.min_replica_groups = min_replica_groups
+        self.timeout_s = float(timeout_s)
+        self.quorum_timeout_s = float(quorum_timeout_s)
+        # What the last optimizer step did (written by ReplicaGroups.commit).
+        self.committed = False
+        self.participants = 0
+        self.heals = 0
+        self.discarded = 0
+        self.last_heal_s: float | None = None
+        self.last_stall_s: float | None = None
+
+    def lighthouse_address(self) -> str:
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not address:
+            raise ValueError(
+                f"FaultTolerance needs the torchft lighthouse's address: pass lighthouse='http://HOST:PORT' or set"
+                f" ${LIGHTHOUSE_ENV}. Start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`."
+            )
+        return address
+
+    def __repr__(self) -> str:
+        return (f"FaultTolerance(replica_group_id={self.replica_group_id}, lighthouse={self.lighthouse!r},"
+                f" min_replica_groups={self.min_replica_groups}, timeout_s={self.timeout_s})")
+
+
+def import_torchft() -> Any:
+    """torchft, or an error naming the extra that installs the tested version."""
+    try:
+        import torchft
+        import torchft.process_group  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"Fault tolerance needs torchft, which is not installed ({exc}). Install the tested version with {FT_EXTRA}."
+        ) from exc
+    return torchft
+
+
+class ReplicaGroups:
+    """This rank's torchft ``Manager`` and the cross-group half of each step ([Note: one step across groups]).
+
+    ``group_rank``/``group_size``: this rank's place in its replica group (the job's own process group).
+    The store the Manager needs is the group's (``MASTER_ADDR``/``MASTER_PORT``, as torchrun and
+    Lightning's launcher set them)."""
+
+    def __init__(self, config: FaultTolerance, group_rank: int, group_size: int, device: torch.device) -> None:
+        torchft = import_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config = config
+        self.group_size = group_size
+        timeout = timedelta(seconds=config.timeout_s)
+        # On GPUs the cross-group reduction runs on NCCL (gloo would stage every byte through the host).
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replica_groups,
+            use_async_quorum=True, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timeout, rank=group_rank, world_size=group_size,
+            replica_id=f"lightning_zero_{config.replica_group_id}", lighthouse_addr=config.lighthouse_address(),
+        )
+        self._torchft_version = getattr(torchft, "__version__", "?")
+        self._started_at: float | None = None
+        self._buckets: Sequence[Any] = ()
+        self._healed_at: float | None = None
+        self._on_commit: list[Callable[[bool], None]] = []
+        self._device = device
+        self._contributors: Tensor | None = None
+        self._contributors_work: Any = None
+        self._participants = 1
+        self._factor: Tensor | None = None
+        self.joining = False
+        """True while :meth:`join` applies a heal (outside any optimizer step)."""
+
+    def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """``save`` (called on a torchft thread while the training thread runs forward and backward)
+        returns this rank's part of ``key``; ``load`` puts a live peer's back ([Note: healing])."""
+
+        def timed_load(state: Any) -> None:
+            if self._healed_at is None:
+                self._healed_at = time.perf_counter()
+            load(state)
+
+        self.manager.register_state_dict_fn(key, timed_load, save)
+
+    def on_commit(self, callback: Callable[[bool], None]) -> None:
+        """``callback(committed)`` after each step's decision (a front end's counters)."""
+        self._on_commit.append(callback)
+
+    def bind(self, buckets: Sequence[Any]) -> None:
+        """The engine's buckets, whose divisor each backward sets."""
+        self._buckets = buckets
+
+    def join(self) -> None:
+        """Before the first forward: the first quorum, and a heal applied at once when this group is
+        behind (a relaunched group, or the first step's weight sync), so that its first forward already
+        runs on the healed state and its first gradient counts."""
+        self.start_step()
+        self.manager.wait_quorum()
+        if _torchft_heal_pending(self.manager):
+            started = time.perf_counter()
+            self.joining = True
+            try:
+                _torchft_apply_heal(self.manager)
+            finally:
+                self.joining = False
+            self.config.heals += 1
+            self.config.last_heal_s = time.perf_counter() - started
+
+    def start_step(self) -> None:
+        """Start this step's quorum, once (before the forward, so the lighthouse's answer overlaps it)."""
+        if self._started_at is None:
+            self._started_at = time.perf_counter()
+            self.manager.start_quorum()
+
+    def before_reduction(self) -> None:
+        """The first reduction of a backward: the quorum is known; average over its participants.
+
+        [Note: contributors] torchft zeroes a healing rank's contribution, but counts its group among
+        the participants when it heals at the same step as its source (the first step's weight sync
+        heals, per group rank, from one group or another). So each backward also sums a 1 from every
+        rank that contributes (a one-element all-reduce beside the buckets'), and each reduced row is
+        rescaled by ``participants / contributors``: the average over the groups that contributed to
+        that shard, exact whatever heals. On the device, no host read: the factor is a tensor."""
+        self.start_step()
+        participants = max(self.manager.num_participants(), 1)
+        for bucket in self._buckets:
+            bucket.average_over = self.group_size * participants
+        self._contributors = torch.ones(1, dtype=torch.float32, device=self._device)
+        self._contributors_work = self.manager.allreduce(self._contributors, reduce_op=dist.ReduceOp.SUM)
+        self._participants = participants
+        self._factor = None
+
+    def all_reduce(self, tensor: Tensor) -> Any:
+        """(cross-group) Sum ``tensor`` over the contributing groups, rescaled as [Note: contributors]
+        says; a failure is swallowed and makes :meth:`commit` discard the step."""
+        return _RescaledWork(self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM), tensor, self)
+
+    def rescale_factor(self) -> Tensor:
+        if self._factor is None:
+            self._contributors_work.wait(timedelta(seconds=self.config.timeout_s))
+            self._factor = self._contributors.clamp(min=1.0).reciprocal().mul_(float(self._participants))
+        return self._factor
+
+    def commit(self) -> bool:
+        """Whether this step's update may be applied (the same answer on every rank of the group).
+        A heal's state is applied in here, before the answer."""
+        self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
+        healing = not self.manager.is_participating()
+        participants = self.manager.num_participants()
+        self._healed_at = None
+        heal_start = time.perf_counter()
+        committed = bool(self.manager.should_commit())
+        report = self.config
+        report.committed = committed
+        report.participants = participants
+        if healing and self._healed_at is not None:
+            report.heals += 1
+            report.last_heal_s = time.perf_counter() - heal_start
+        if not committed:
+            report.discarded += 1
+            assert self._started_at is not None
+            report.last_stall_s = time.perf_counter() - self._started_at
+        self._started_at = None
+        for callback in self._on_commit:
+            callback(committed)
+        return committed
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _torchft_heal_pending(manager: Any) -> bool:
+    """Whether the quorum just waited for asks this rank to heal (``Manager._healing``, torchft 2026.10)."""
+    return bool(manager._healing)
+
+
+def _torchft_apply_heal(manager: Any) -> None:
+    """Apply the received state now, as torchft itself does with a synchronous quorum
+    (``Manager._apply_pending_state_dict``, torchft 2026.10); this rank then takes part in the step."""
+    manager._apply_pending_state_dict()
+    manager._healing = False
+
+
+class _RescaledWork:
+    """A bucket row's cross-group sum: once it has arrived, rescaled by [Note: contributors]."""
+
+    def __init__(self, work: Any, tensor: Tensor, groups: ReplicaGroups) -> None:
+        self.work, self.tensor, self.groups = work, tensor, groups
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.work.wait(timeout)
+        self.tensor.mul_(self.groups.rescale_factor().to(self.tensor.dtype))
+        return True
+
+
+def engine_state(engine: ZeroEngine) -> dict[str, Any]:
+    """This rank's part of the engine's training state, for a heal: the master shards, each optimizer's
+    state and hyper-parameters (in the engine's order, the same in every group of the same size), and
+    the module's buffers. Tensors are the live ones: torchft serves them before they next change."""
+    optimizers = []
+    for opt in engine.optimizers:
+        state = {index: dict(opt.state[sp.master]) for index, sp in enumerate(opt.sharded_params)
+                 if opt.state.get(sp.master)}
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+        optimizers.append({"state": state, "param_groups": groups})
+    return {
+        "masters": [sp.master for sp in engine.sharded_params.values()],
+        "optimizers": optimizers,
+        "buffers": [b.detach() for b in engine.module_buffers()],
+    }
+
+
+@torch.no_grad()
+def load_engine_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+    """Put a peer's :func:`engine_state` into this rank's engine (the layout is the same: the same
+    module, group size and group rank)."""
+    masters = [sp.master for sp in engine.sharded_params.values()]
+    if len(state["masters"]) != len(masters) or any(
+            a.shape != b.shape for a, b in zip(state["masters"], masters, strict=True)):
+        raise RuntimeError("A heal's state does not match this rank's shards: the replica groups differ in model or size.")
+    torch._foreach_copy_(masters, [t.to(m.device) for t, m in zip(state["masters"], masters, strict=True)])
+    for opt, saved in zip(engine.optimizers, state["optimizers"], strict=True):
+        for index, sp in enumerate(opt.sharded_params):
+            entry = saved["state"].get(index)
+            if entry is None:
+                opt.state.pop(sp.master, None)
+                continue
+            local = opt.state.get(sp.master) or {}
+            opt.state[sp.master] = {k: _placed(v, local.get(k), sp.master.device) for k, v in entry.items()}
+        for group, hyper in zip(opt.param_groups, saved["param_groups"], strict=True):
+            group.update(hyper)
+    for buffer, saved_buffer in zip(engine.module_buffers(), state["buffers"], strict=True):
+        buffer.detach().copy_(saved_buffer)
+
+
+def _placed(value: Any, local: Any, device: torch.device) -> Any:
+    """A received state value on the device this rank keeps it on: where its own value is, else with the
+    master for shards and on the host for scalars (Adam's ``step`` outside capturable mode)."""
+    if not isinstance(value, Tensor):
+        return value
+    if isinstance(local, Tensor):
+        target = local.device
+    else:
+        target = device if value.dim() > 0 else torch.device("cpu")
+    return value.to(target, copy=True)

@@ -1,0 +1,122 @@
+"""One replica group of a fault-tolerant job: run under torchrun (``--nproc-per-node K``) with
+``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE`` and ``FT_OUT`` set. Each rank appends one JSON line per
+optimizer step to ``FT_OUT/g<group>_r<rank>.jsonl``: the trainer's step, the fault-tolerance report and
+a digest of this rank's master shards and optimizer state (the same group rank holds the same shard in
+every group, so equal digests mean bit-identical state).
+
+``FT_HYBRID=1`` runs the same model and data as one job without fault tolerance, hybrid-sharded over
+groups of K ranks (``FT_GROUPS`` x K processes, ``shard_group_size=K``): the reference a fault-tolerant
+run with no failure must match. ``FT_STEP_SLEEP`` slows each step so a test can kill a group mid-run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_zero import FaultTolerance, ZeroLowLevelStrategy
+
+STEPS = int(os.environ.get("FT_STEPS", "30"))
+BATCH = 4
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(8, generator=g)
+        return x, x.sum(0, keepdim=True).tanh()
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        delay = float(os.environ.get("FT_STEP_SLEEP", "0"))
+        if delay:
+            time.sleep(delay)
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.last_loss = float(loss.detach())
+        return loss
+
+    def configure_optimizers(self):  # noqa: ANN201
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def state_digest(strategy: ZeroLowLevelStrategy) -> str:
+    engine = strategy.engine
+    h = hashlib.sha256()
+    for sp in engine.sharded_params.values():
+        h.update(sp.master.detach().numpy().tobytes())
+        for key, value in sorted(engine.optimizers[0].state.get(sp.master, {}).items()):
+            h.update(key.encode())
+            h.update(value.detach().reshape(-1).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Report(L.Callback):
+    def __init__(self, out: Path, group: int, group_size: int) -> None:
+        self.out, self.group, self.group_size = out, group, group_size
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Model, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        strategy = trainer.strategy
+        ft = strategy.fault_tolerance
+        line = {"t": time.time(), "pid": os.getpid(), "global_step": trainer.global_step,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"], "loss": pl_module.last_loss,
+                "digest": state_digest(strategy),
+                "samples": [int(i) for i in batch[2]] if len(batch) > 2 else None}
+        if ft is not None:
+            line.update(committed=ft.committed, participants=ft.participants, heals=ft.heals,
+                        last_heal_s=ft.last_heal_s, last_stall_s=ft.last_stall_s)
+        path = self.out / f"g{self.group}_r{trainer.global_rank % self.group_size}.jsonl"
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(os.environ["FT_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    hybrid = os.environ.get("FT_HYBRID") == "1"
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    groups = int(os.environ.get("FT_GROUPS", "2"))
+    if hybrid:
+        k = world // groups
+        strategy = ZeroLowLevelStrategy(stage=2, shard_group_size=k)
+        # Global rank g*K + r: the shard of group rank r in group g, as in the fault-tolerant run.
+        data_rank, data_ranks = rank, world
+    else:
+        k = world
+        ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")))
+        strategy = ZeroLowLevelStrategy(stage=2, fault_tolerance=ft)
+        data_rank, data_ranks = group * k + rank, groups * k
+    torch.manual_seed(0)
+    model = Model()
+    sampler = torch.utils.data.DistributedSampler(Numbers(), num_replicas=data_ranks, rank=data_rank,
+                                                  shuffle=True, seed=1)
+    loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler)
+    trainer = L.Trainer(accelerator="cpu", devices=world,
+                        strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[Report(out, group if not hybrid else rank // k, k)])
+    trainer.fit(model, loader)
+
+
+if __name__ == "__main__":
+    main()
