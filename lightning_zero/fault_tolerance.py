@@ -66,7 +66,7 @@ class FaultTolerance:
 
     After each optimizer step the strategy's ``fault_tolerance`` reports ``committed`` (was the step
     applied), ``participants`` (groups in its quorum), ``heals`` (how often this group was healed),
-    ``last_heal_s`` (the last heal's transfer and load) and ``last_stall_s`` (the last discarded
+    ``last_heal_s`` (the last heal: the quorum that asked for it, the transfer and the load) and ``last_stall_s`` (the last discarded
     step: from its start to the decision), and ``discarded`` (steps discarded so far).
     """
 
@@ -176,10 +176,10 @@ class ReplicaGroups:
         """Before the first forward: the first quorum, and a heal applied at once when this group is
         behind (a relaunched group, or the first step's weight sync), so that its first forward already
         runs on the healed state and its first gradient counts."""
+        started = time.perf_counter()
         self.start_step()
-        self.manager.wait_quorum()
+        self.manager.wait_quorum()  # a heal's transfer runs inside the quorum (torchft's thread)
         if _torchft_heal_pending(self.manager):
-            started = time.perf_counter()
             self.joining = True
             try:
                 _torchft_apply_heal(self.manager)
