@@ -1,12 +1,15 @@
 """The documents hold together: every relative link in the project's Markdown files (README, docs/, the
 maps and logs beside them) names a file that exists and, where it names a heading (``page.md#anchor``), a
-heading of that page; the README stays an entry page of a size a newcomer reads, and every docs page is
-listed in the site's navigation (``mkdocs.yml``) and in ``docs/index.md``; the API reference documents
-every public name, by its public path only (``lightning_zero.X``, ``lightning_zero.checkpoint.X``)."""
+heading of that page; the README stays an entry page of a size a newcomer reads, and every docs page, and
+every root file the site shows as a page (``docs/site_build.py``'s ``ROOT_PAGES``), is listed in the site's
+navigation (``mkdocs.yml``) and linked from ``docs/index.md``; the API reference documents every public
+name, by its public path only (``lightning_zero.X``, ``lightning_zero.checkpoint.X``). The built site is
+checked by ``make docs`` and ``tests/test_docs_site.py``."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +42,15 @@ def anchors(page: Path) -> set[str]:
         seen[slug] = count + 1
         found.add(slug if count == 0 else f"{slug}-{count}")
     return found
+
+
+def site_build() -> Any:
+    """docs/site_build.py, the site's MkDocs hooks (the standard library only at its top: no MkDocs needed)."""
+    spec = importlib.util.spec_from_file_location("site_build", REPO / "docs" / "site_build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def site_config() -> dict[str, Any]:
@@ -96,10 +108,13 @@ def test_the_checker_finds_a_broken_file_and_a_broken_anchor(tmp_path: Path) -> 
 def test_the_readme_is_an_entry_page_and_every_guide_is_reachable() -> None:
     assert (REPO / "README.md").stat().st_size <= README_LIMIT
     guides = {path.relative_to(REPO / "docs").as_posix() for path in (REPO / "docs").rglob("*.md")}
+    root_pages = site_build().ROOT_PAGES
+    pages = guides | set(root_pages.values())
     listed = set(nav_pages(site_config()["nav"]))
-    assert listed == guides, f"mkdocs.yml nav and docs/ differ: {sorted(listed ^ guides)}"
+    assert listed == pages, f"mkdocs.yml nav and the site's pages differ: {sorted(listed ^ pages)}"
     index_links = {link.partition("#")[0] for link in relative_links(REPO / "docs" / "index.md")}
-    assert guides - {"index.md"} <= index_links, f"docs/index.md does not link {sorted(guides - index_links)}"
+    linked = guides - {"index.md"} | {f"../{source}" for source in root_pages}
+    assert linked <= index_links, f"docs/index.md does not link {sorted(linked - index_links)}"
     readme_links = {link.partition("#")[0] for link in relative_links(REPO / "README.md")}
     assert "docs/index.md" in readme_links
 
