@@ -22,7 +22,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from griffe import AliasResolutionError, Attribute, CyclicAliasError, Expr, ExprName, Extension, Function, GriffeLoader, Object
+from griffe import (
+    AliasResolutionError,
+    Attribute,
+    CyclicAliasError,
+    Expr,
+    ExprName,
+    Extension,
+    Function,
+    GriffeLoader,
+    Object,
+)
 
 ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj):`(~?)([\w.]+)`")
 ARGS_HEADER = re.compile(r"^(\s*)(?:Args|Arguments|Parameters):\s*$")
