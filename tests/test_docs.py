@@ -135,3 +135,37 @@ def test_the_api_reference_documents_every_public_name_by_its_public_path() -> N
     documented = {path.rsplit(".", 1)[1] for path in referenced}
     missing = {name for module in PUBLIC_MODULES for name in public_names(module)} - documented
     assert not missing, f"public names without a reference entry: {sorted(missing)}"
+
+
+def test_the_site_points_links_at_its_own_pages_and_names_files_it_lacks() -> None:
+    hooks = site_build()
+    assert hooks.site_target("../BENCHMARKS.md#test-tiers", "getting-started.md") == "project/benchmarks.md#test-tiers"
+    assert hooks.site_target("../../ARCHITECTURE.md", "reference/checkpoint.md") == "../project/architecture.md"
+    assert hooks.site_target("docs/benchmarks.md", "project/benchmarks.md") == "../benchmarks.md"
+    assert hooks.site_target("#engine-benchenginepy", "project/benchmarks.md") == "#engine-benchenginepy"
+    assert hooks.site_target("tiers.md#the-data-position", "index.md") == "tiers.md#the-data-position"
+    assert hooks.site_target("../bench/HISTORY.md", "benchmarks.md") is None
+    assert hooks.site_links("earlier runs are in [bench/HISTORY.md](../bench/HISTORY.md), `[x](y.md)`",
+                            "benchmarks.md") == "earlier runs are in `bench/HISTORY.md`, `[x](y.md)`"
+    assert hooks.site_links("[the notes](bench/HISTORY.md) and [figures](BENCHMARKS.md)", "project/architecture.md") == (
+        "the notes (`bench/HISTORY.md` in the repository) and [figures](benchmarks.md)")
+
+
+def test_the_site_makes_githubs_anchors_and_lists_under_a_line_of_text() -> None:
+    hooks = site_build()
+    assert hooks.github_slug("Checkpoint save beside DeepSpeed ZeRO-2 (bench/checkpoint.py --peers)") == (
+        "checkpoint-save-beside-deepspeed-zero-2-benchcheckpointpy---peers")
+    assert hooks.blank_line_before_lists("Refused:\n- one\n- two\n  more\n\n```\ntext\n- code\n```") == (
+        "Refused:\n\n- one\n- two\n  more\n\n```\ntext\n- code\n```")
+
+
+def test_the_built_sites_check_names_a_missing_page_image_and_anchor(tmp_path: Path) -> None:
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "guide" / "index.html").write_text('<h2 id="here">x</h2>')
+    (tmp_path / "img.png").write_bytes(b"")
+    page = tmp_path / "index.html"
+    page.write_text('<a href="guide/#here">ok</a> <a href="#top" id="top">ok</a> <a href="https://x.org/">out</a>'
+                    '<a href="gone/">1</a> <a href="guide/#there">2</a> <img src="img.png"> <img src="none.png">')
+    assert site_build().broken_links(page, tmp_path) == [
+        "<a> gone/: no such file in the site", "<a> guide/#there: no element with that id",
+        "<img> img.png: an empty file", "<img> none.png: no such file in the site"]
