@@ -1,7 +1,7 @@
 """The documentation site as a reader sees it: ``make docs`` builds it, headless Chromium (Debian's
 ``chromium`` package) renders the home page and a guide, and every image those pages show and every link
-they hold, in the DOM the browser built (its scripts run), names a file of the site; the screenshots are
-pictures of a page, not a blank one. Skipped only where no Chromium can be found (``.ci/run`` installs it
+they hold, in the DOM the browser built (its scripts run), names a file of the site; no line of code is
+wider than the page's column; the screenshots are pictures of a page, not a blank one. Skipped only where no Chromium can be found (``.ci/run`` installs it
 where it is missing)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import shutil
 import struct
 import subprocess
 import zlib
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["index.html", "tiers/index.html"]  # the home page (install, code, a plot) and the longest guide
 WINDOW = (1280, 1600)
+CODE_COLUMNS = 80  # characters of a code line that the page's column shows at WINDOW's width, beside the contents
 CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 
 pytestmark = pytest.mark.skipif(
@@ -50,6 +52,30 @@ def chromium(*arguments: str, profile: Path) -> subprocess.CompletedProcess[str]
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
          f"--user-data-dir={profile}", "--virtual-time-budget=5000", *arguments],
         capture_output=True, text=True, timeout=180)
+
+
+class _CodeText(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.depth = 0
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.depth += tag == "pre"
+
+    def handle_endtag(self, tag: str) -> None:
+        self.depth -= tag == "pre"
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.text.append(data)
+
+
+def code_lines(html: str) -> list[str]:
+    """The lines of a page's code blocks (``<pre>``), as the reader sees them."""
+    parser = _CodeText()
+    parser.feed(html)
+    return "".join(parser.text).splitlines()
 
 
 def png_picture(path: Path) -> tuple[int, int, int]:
@@ -102,6 +128,8 @@ def test_a_page_renders_with_every_image_and_link_in_place(page: str, built_site
         assert width >= 600 and rows > 50, f"{page}: {image} is {width}x{height} px with {rows} distinct rows"
     if page == "index.html":
         assert any(tag == "img" for tag, _ in references), "the home page shows no plot"
+    wide = [line for line in code_lines(dom) if len(line) > CODE_COLUMNS]
+    assert not wide, f"{page}: code lines cut off on the right: {wide}"
 
     screenshot = tmp_path / "screenshot.png"
     shot = chromium(f"--screenshot={screenshot}", f"--window-size={WINDOW[0]},{WINDOW[1]}", url,
