@@ -43,7 +43,7 @@ ROOT_PAGES = {  # the repository's file -> its page on the site
 LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\(([^()\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)[^`]*?\1")
-LIST_ITEM = re.compile(r"^([-*+]|\d+[.)]) ")
+LIST_ITEM = re.compile(r"^([-*+]|1[.)]) ")  # what starts a list inside a paragraph on GitHub
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
