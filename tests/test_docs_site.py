@@ -23,7 +23,7 @@ WINDOW = (1280, 1600)
 CODE_COLUMNS = 80  # characters of a code line that the page's column shows at WINDOW's width, beside the contents
 CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 
-pytestmark = pytest.mark.skipif(
+needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH: install Debian's chromium package (apt-get install chromium) "
                              "to render the docs site; .ci/run installs it")
 
@@ -110,6 +110,7 @@ def test_png_picture_tells_a_blank_page_from_a_drawn_one(tmp_path: Path) -> None
     assert png_picture(write([bytes([index] * 4) for index in range(30)])) == (4, 30, 30)
 
 
+@needs_chromium
 @pytest.mark.parametrize("page", PAGES)
 def test_a_page_renders_with_every_image_and_link_in_place(page: str, built_site: Path, tmp_path: Path) -> None:
     url = (built_site / page).as_uri()
