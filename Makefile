@@ -68,17 +68,20 @@ bench-peers: install
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/engine.py --peers --methods ddp zero1 zero2 deepspeed_zero1 deepspeed_zero2
 	DS_ACCELERATOR=cpu DS_BUILD_OPS=0 PYTHONPATH=$(PEERS_DIR) $(PY) bench/checkpoint.py --peers
 
-# The documentation site (docs/, mkdocs.yml) into site/, the API reference included: MkDocs, Material and
-# mkdocstrings at the versions of docs-requirements.txt go into a folder of their own, not the venv, and read
-# the package's sources without importing them (no torch needed). --strict: a broken link or reference fails.
+# The documentation site (docs/, mkdocs.yml) into site/ (SITE_DIR), the API reference and the root's
+# ARCHITECTURE.md, BENCHMARKS.md and COMPATIBILITY.md included: MkDocs, Material and mkdocstrings at the
+# versions of docs-requirements.txt go into a folder of their own, not the venv, and read the package's sources
+# without importing them (no torch needed). --strict: a broken link, anchor or reference fails, and so does
+# any href or src of the built pages that names no file of the site (docs/site_build.py checks them).
 DOCS_VENV ?= .docs-venv
+SITE_DIR ?= site
 $(DOCS_VENV)/.installed: docs-requirements.txt
 	$(PYTHON) -m venv $(DOCS_VENV)
 	$(DOCS_VENV)/bin/pip install -q -r docs-requirements.txt
 	touch $@
 
 docs: $(DOCS_VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir "$(SITE_DIR)"
 
 lint: install
 	$(VENV)/bin/ruff check .

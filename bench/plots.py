@@ -46,6 +46,15 @@ OTHER = "#9a9a9a"
 OTHER_LIGHT = "#d4d4d4"
 FORMULA = "#e0a030"
 
+# The site shows a plot at its page's width, about 700 px: a figure 8.5 inches wide is drawn at ~1.1 px per
+# point there, so the smallest text (NOTE_SIZE) is ~11 px high and the labels ~12-13 px.
+WIDTH = 8.5
+FONT_SIZES = {"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 11,
+              "ytick.labelsize": 11, "legend.fontsize": 10.5}
+LABEL_SIZE = 10.5  # the figures written beside the bars
+NOTE_SIZE = 10  # the data's source under each plot
+TITLE_SIZE = 14
+
 
 # --- the figures against BENCHMARKS.md's tables -------------------------------------------------------------
 
@@ -176,7 +185,13 @@ def _source(*datasets: dict[str, Any]) -> str:
     return f"CPU VM, 2 cores, gloo. Data: bench/results/current.json ({runs})"
 
 
+def _note(text: str) -> str:
+    """The line under a plot, wrapped to the figure's width at NOTE_SIZE."""
+    return "\n".join(textwrap.wrap(text, 100))
+
+
 def _wrap(label: str, width: int = 34) -> str:
+    label = label.replace(" -> ", "\N{NO-BREAK SPACE}->\N{NO-BREAK SPACE}")  # "4 -> 2" on one line
     return "\n".join(textwrap.wrap(label, width, break_long_words=False, break_on_hyphens=False))
 
 
@@ -191,11 +206,11 @@ def draw_checkpoint_blocked(data: dict[str, Any]) -> Figure:
 
     peers = data["datasets"]["checkpoint_peers"]
     saves = data["datasets"]["checkpoint_save"]
-    figure = Figure(figsize=(13, 5.6), layout="constrained")
-    left, right = figure.subplots(1, 2, width_ratios=[1, 1.35])
+    figure = Figure(figsize=(WIDTH, 10.5), layout="constrained")
+    left, right = figure.subplots(2, 1, height_ratios=[1, 1.9])  # one above the other: legible at page width
 
     rows = peers["rows"]
-    labels = [_wrap(row["save"], 26) for row in rows]
+    labels = [_wrap(row["save"], 22) for row in rows]
     positions = range(len(rows))
     height = 0.38
     for offset, (column, ratio, shade) in enumerate((("blocked ms", "blocked vs ours", 0),
@@ -206,15 +221,15 @@ def draw_checkpoint_blocked(data: dict[str, Any]) -> Figure:
             y = position + (offset - 0.5) * height
             left.barh(y, row[column], height=height, color=colour, edgecolor="black", linewidth=0.4)
             note = _ms(row[column]) if ours else f"{_ms(row[column])}  ({row[ratio]:g}x ours)"
-            left.text(row[column] + 4, y, f"{column.removesuffix(' ms')}: {note}", va="center", fontsize=9)
+            left.text(row[column] + 4, y, f"{column.removesuffix(' ms')}: {note}", va="center", fontsize=LABEL_SIZE)
     left.legend(handles=[Patch(color=OURS, label="blocked: the training thread waits"),
                          Patch(color=OURS_LIGHT, label="to durable: fsynced, in the background (ours)")],
-                loc="upper right", fontsize=8.5)
+                loc="upper right")
     left.set_yticks(list(positions), labels)
     left.set_ylim(len(rows) - 0.5, -1.1)  # rows top down, with room above the first for the legend
-    left.set_xlim(0, max(row["to durable ms"] for row in rows) * 1.75)
+    left.set_xlim(0, max(row["to durable ms"] for row in rows) * 1.9)
     left.set_xlabel("milliseconds (lower is better)")
-    left.set_title(f"Against DeepSpeed ZeRO-2, {peers['state']}", fontsize=11)
+    left.set_title(f"Against DeepSpeed ZeRO-2,\n{peers['state']}")
 
     rows = saves["rows"]
     for position, row in enumerate(rows):
@@ -222,17 +237,17 @@ def draw_checkpoint_blocked(data: dict[str, Any]) -> Figure:
         right.barh(position, row["call blocks ms"], color=OURS if ours else OTHER, edgecolor="black", linewidth=0.4)
         ratio = row["blocks vs ours sharded"]
         note = _ms(row["call blocks ms"]) + ("" if ratio == 1 else f"  ({ratio:,g}x ours)")
-        right.text(row["call blocks ms"] * 1.15, position, note, va="center", fontsize=9)
+        right.text(row["call blocks ms"] * 1.15, position, note, va="center", fontsize=LABEL_SIZE)
     right.set_xscale("log")
-    right.set_xlim(0.5, max(row["call blocks ms"] for row in rows) * 25)
-    right.set_yticks(range(len(rows)), [_wrap(row["save"]) for row in rows], fontsize=9)
+    right.set_xlim(0.5, max(row["call blocks ms"] for row in rows) * 250)
+    right.set_yticks(range(len(rows)), [_wrap(row["save"], 26) for row in rows], fontsize=LABEL_SIZE)
     right.invert_yaxis()
-    right.set_xlabel("milliseconds the save call blocks training (log scale, lower is better)")
-    right.set_title(f"Against torch DCP and Lightning, {saves['state']}", fontsize=11)
+    right.set_xlabel("milliseconds the save call blocks training\n(log scale, lower is better)")
+    right.set_title(f"Against torch DCP and Lightning,\n{saves['state']}")
 
-    figure.suptitle("How long a checkpoint save blocks the training loop", fontsize=13, weight="bold")
-    figure.text(0.5, -0.02, "ColossalAI is not measured: its LowLevelZero asserts a CUDA or NPU device. "
-                + _source(peers, saves), ha="center", fontsize=7.5, wrap=True)
+    figure.suptitle("How long a checkpoint save blocks the training loop", fontsize=TITLE_SIZE, weight="bold")
+    figure.text(0.5, -0.01, _note("ColossalAI is not measured: its LowLevelZero asserts a CUDA or NPU device. "
+                                  + _source(peers, saves)), ha="center", va="top", fontsize=NOTE_SIZE)
     return figure
 
 
@@ -240,7 +255,7 @@ def draw_memory(data: dict[str, Any]) -> Figure:
     from matplotlib.figure import Figure
 
     memory = data["datasets"]["memory_between_steps"]
-    figure = Figure(figsize=(9, 5.4), layout="constrained")
+    figure = Figure(figsize=(WIDTH, 6.2), layout="constrained")
     axes = figure.subplots()
     bars = (("zero2 MiB", "lightning_zero zero2", OURS), ("ZeRO formula MiB", "ZeRO paper's formula", FORMULA),
             ("DeepSpeed ZeRO-2 MiB", "DeepSpeed ZeRO-2", OTHER), ("DDP MiB", "DDP", OTHER_LIGHT))
@@ -250,20 +265,19 @@ def draw_memory(data: dict[str, Any]) -> Figure:
             x = group + (index - 1.5) * width
             axes.bar(x, row[column], width=width, color=colour, edgecolor="black", linewidth=0.4,
                      label=label if group == 0 else None)
-            axes.text(x, row[column] + 2, f"{row[column]:g}", ha="center", fontsize=8.5)
+            axes.text(x, row[column] + 2, f"{row[column]:g}", ha="center", fontsize=LABEL_SIZE - 1)
         top = max(row[column] for column, _, _ in bars)
         axes.text(group - 1.5 * width, top + 14,
                   f"zero2 = {row['zero2 / formula']:.2f}x formula\n"
                   f"{row['zero2 / DeepSpeed ZeRO-2']:.2f}x DeepSpeed ZeRO-2\n{row['zero2 / DDP']:.2f}x DDP",
-                  fontsize=9, color=OURS, va="bottom")
+                  fontsize=LABEL_SIZE, color=OURS, va="bottom")
     axes.set_xticks(range(len(memory["rows"])), [f"{row['world size']} ranks" for row in memory["rows"]])
     axes.set_ylabel("MiB a rank holds between steps (lower is better)")
-    axes.set_ylim(0, max(row["DDP MiB"] for row in memory["rows"]) * 1.55)
-    axes.legend(loc="upper right", fontsize=9)
-    axes.set_title("Memory between steps: zero2 against the formula, DeepSpeed ZeRO-2 and DDP\n"
-                   "(10.27M-parameter GPT, AdamW, fp32; resident memory, each method in processes of its own)",
-                   fontsize=11)
-    figure.text(0.5, -0.03, _source(memory), ha="center", fontsize=7.5, wrap=True)
+    axes.set_ylim(0, max(row["DDP MiB"] for row in memory["rows"]) * 1.75)
+    axes.legend(loc="upper right")
+    axes.set_title("Memory between steps: zero2 against the formula,\nDeepSpeed ZeRO-2 and DDP "
+                   "(10.27M-parameter GPT, AdamW, fp32;\nresident memory, each method in processes of its own)")
+    figure.text(0.5, -0.01, _note(_source(memory)), ha="center", va="top", fontsize=NOTE_SIZE)
     return figure
 
 
@@ -272,7 +286,7 @@ def draw_recovery(data: dict[str, Any]) -> Figure:
 
     recovery = data["datasets"]["recovery"]
     ratios = {row["durable / fast tier, both 4 -> 2"]: row["x"] for row in data["datasets"]["recovery_ratios"]["rows"]}
-    figure = Figure(figsize=(11, 4.8), layout="constrained")
+    figure = Figure(figsize=(WIDTH, 5.6), layout="constrained")
     axes = figure.subplots()
     parts = (("choose ms", "choose the checkpoint", "#c6dbef"), ("reshard ms", "reshard", "#6baed6"),
              ("load ms", "load", "#2171b5"), (None, "lost steps trained again", "#e6550d"))
@@ -287,21 +301,21 @@ def draw_recovery(data: dict[str, Any]) -> Figure:
         lost = "none lost" if row["steps lost"] == 0 else f"{row['steps lost']} steps lost"
         axes.text(row["back at step 8 ms"] + 10, position,
                   f"resume {row['resume ms']:g} ms at step {row['step resumed']}, {lost}:\n"
-                  f"back at step 8 after {row['back at step 8 ms']:g} ms", va="center", fontsize=9)
-    axes.set_yticks(range(len(rows)), [_wrap(row["resume"], 36) for row in rows])
+                  f"back at step 8 after {row['back at step 8 ms']:g} ms", va="center", fontsize=LABEL_SIZE)
+    axes.set_yticks(range(len(rows)), [_wrap(row["resume"], 22) for row in rows])
     axes.invert_yaxis()
-    axes.set_xlim(0, max(row["back at step 8 ms"] for row in rows) * 1.7)
-    axes.set_xlabel("milliseconds, from the restarted job's load to being back at step 8 (lower is better)")
-    axes.legend(loc="lower right", fontsize=9)
+    axes.set_xlim(0, max(row["back at step 8 ms"] for row in rows) * 2.1)
+    axes.set_xlabel("milliseconds, from the restarted job's load\nto being back at step 8 (lower is better)")
+    axes.legend(loc="lower right")
     resume = ratios["resume (choose + reshard + load)"]
     back = ratios["back at step 8 (resume + lost steps trained again)"]
     start = ratios["worker start -> back at step 9 (first step + lost steps)"]
-    axes.set_title(f"A lost node: the fast tier resharded 4 -> 2 against the durable tier on S3\n"
-                   f"durable / fast: {resume:.2f}x the resume, {back:.2f}x to be back at step 8, "
-                   f"{start:.2f}x counted from the workers' start", fontsize=11)
-    figure.text(0.5, -0.04, "Not drawn: the workers' start (4.7 s for both, mostly imports). S3 is moto on "
-                "loopback, so the durable figures are a floor. " + _source(recovery), ha="center", fontsize=7.5,
-                wrap=True)
+    axes.set_title(f"A lost node: the fast tier resharded 4 -> 2\nagainst the durable tier on S3. "
+                   f"Durable / fast: {resume:.2f}x the resume,\n{back:.2f}x to be back at step 8, "
+                   f"{start:.2f}x counted from the workers' start")
+    figure.text(0.5, -0.01, _note("Not drawn: the workers' start (4.7 s for both, mostly imports). S3 is moto on "
+                                  "loopback, so the durable figures are a floor. " + _source(recovery)),
+                ha="center", va="top", fontsize=NOTE_SIZE)
     return figure
 
 
@@ -313,7 +327,10 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
 
 
 def build_figures(data: dict[str, Any]) -> dict[str, Figure]:
-    return {name: draw(data) for name, draw in PLOTS.items()}
+    import matplotlib
+
+    with matplotlib.rc_context(FONT_SIZES):  # read when each text is made
+        return {name: draw(data) for name, draw in PLOTS.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if problems else 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, figure in build_figures(data).items():
-        figure.savefig(args.out_dir / name, dpi=110, bbox_inches="tight")
+        figure.savefig(args.out_dir / name, dpi=150, bbox_inches="tight")
         print(args.out_dir / name)
     return 0
 

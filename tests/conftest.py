@@ -53,6 +53,7 @@ E2E_MODULES = frozenset({
     "faults/test_clean_exit",  # fit and resume scripts must exit cleanly
     "faults/test_endurance",  # 200 saves: minutes, not a fresh interpreter
     "engine/test_ddp_style_ending",  # functional-API programs that destroy their group or exit mid-gather
+    "test_docs_site",  # make docs, then headless Chromium on the built site
 })
 """Test modules (paths under tests/, without .py) in the ``e2e`` tier: their tests start fresh
 interpreters (a command, an example or bench script, torchrun) or run for minutes. Every test in them

@@ -1,12 +1,15 @@
 """The documents hold together: every relative link in the project's Markdown files (README, docs/, the
 maps and logs beside them) names a file that exists and, where it names a heading (``page.md#anchor``), a
-heading of that page; the README stays an entry page of a size a newcomer reads, and every docs page is
-listed in the site's navigation (``mkdocs.yml``) and in ``docs/index.md``; the API reference documents
-every public name, by its public path only (``lightning_zero.X``, ``lightning_zero.checkpoint.X``)."""
+heading of that page; the README stays an entry page of a size a newcomer reads, and every docs page, and
+every root file the site shows as a page (``docs/site_build.py``'s ``ROOT_PAGES``), is listed in the site's
+navigation (``mkdocs.yml``) and linked from ``docs/index.md``; the API reference documents every public
+name, by its public path only (``lightning_zero.X``, ``lightning_zero.checkpoint.X``). The built site is
+checked by ``make docs`` and ``tests/test_docs_site.py``."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +42,15 @@ def anchors(page: Path) -> set[str]:
         seen[slug] = count + 1
         found.add(slug if count == 0 else f"{slug}-{count}")
     return found
+
+
+def site_build() -> Any:
+    """docs/site_build.py, the site's MkDocs hooks (the standard library only at its top: no MkDocs needed)."""
+    spec = importlib.util.spec_from_file_location("site_build", REPO / "docs" / "site_build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def site_config() -> dict[str, Any]:
@@ -96,10 +108,13 @@ def test_the_checker_finds_a_broken_file_and_a_broken_anchor(tmp_path: Path) -> 
 def test_the_readme_is_an_entry_page_and_every_guide_is_reachable() -> None:
     assert (REPO / "README.md").stat().st_size <= README_LIMIT
     guides = {path.relative_to(REPO / "docs").as_posix() for path in (REPO / "docs").rglob("*.md")}
+    root_pages = site_build().ROOT_PAGES
+    pages = guides | set(root_pages.values())
     listed = set(nav_pages(site_config()["nav"]))
-    assert listed == guides, f"mkdocs.yml nav and docs/ differ: {sorted(listed ^ guides)}"
+    assert listed == pages, f"mkdocs.yml nav and the site's pages differ: {sorted(listed ^ pages)}"
     index_links = {link.partition("#")[0] for link in relative_links(REPO / "docs" / "index.md")}
-    assert guides - {"index.md"} <= index_links, f"docs/index.md does not link {sorted(guides - index_links)}"
+    linked = guides - {"index.md"} | {f"../{source}" for source in root_pages}
+    assert linked <= index_links, f"docs/index.md does not link {sorted(linked - index_links)}"
     readme_links = {link.partition("#")[0] for link in relative_links(REPO / "README.md")}
     assert "docs/index.md" in readme_links
 
@@ -120,3 +135,37 @@ def test_the_api_reference_documents_every_public_name_by_its_public_path() -> N
     documented = {path.rsplit(".", 1)[1] for path in referenced}
     missing = {name for module in PUBLIC_MODULES for name in public_names(module)} - documented
     assert not missing, f"public names without a reference entry: {sorted(missing)}"
+
+
+def test_the_site_points_links_at_its_own_pages_and_names_files_it_lacks() -> None:
+    hooks = site_build()
+    assert hooks.site_target("../BENCHMARKS.md#test-tiers", "getting-started.md") == "project/benchmarks.md#test-tiers"
+    assert hooks.site_target("../../ARCHITECTURE.md", "reference/checkpoint.md") == "../project/architecture.md"
+    assert hooks.site_target("docs/benchmarks.md", "project/benchmarks.md") == "../benchmarks.md"
+    assert hooks.site_target("#engine-benchenginepy", "project/benchmarks.md") == "#engine-benchenginepy"
+    assert hooks.site_target("tiers.md#the-data-position", "index.md") == "tiers.md#the-data-position"
+    assert hooks.site_target("../bench/HISTORY.md", "benchmarks.md") is None
+    assert hooks.site_links("earlier runs are in [bench/HISTORY.md](../bench/HISTORY.md), `[x](y.md)`",
+                            "benchmarks.md") == "earlier runs are in `bench/HISTORY.md`, `[x](y.md)`"
+    assert hooks.site_links("[the notes](bench/HISTORY.md) and [figures](BENCHMARKS.md)", "project/architecture.md") == (
+        "the notes (`bench/HISTORY.md` in the repository) and [figures](benchmarks.md)")
+
+
+def test_the_site_makes_githubs_anchors_and_lists_under_a_line_of_text() -> None:
+    hooks = site_build()
+    assert hooks.github_slug("Checkpoint save beside DeepSpeed ZeRO-2 (bench/checkpoint.py --peers)") == (
+        "checkpoint-save-beside-deepspeed-zero-2-benchcheckpointpy---peers")
+    assert hooks.blank_line_before_lists("Refused:\n- one\n- two\n  more\n\n```\ntext\n- code\n```") == (
+        "Refused:\n\n- one\n- two\n  more\n\n```\ntext\n- code\n```")
+
+
+def test_the_built_sites_check_names_a_missing_page_image_and_anchor(tmp_path: Path) -> None:
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "guide" / "index.html").write_text('<h2 id="here">x</h2>')
+    (tmp_path / "img.png").write_bytes(b"")
+    page = tmp_path / "index.html"
+    page.write_text('<a href="guide/#here">ok</a> <a href="#top" id="top">ok</a> <a href="https://x.org/">out</a>'
+                    '<a href="gone/">1</a> <a href="guide/#there">2</a> <img src="img.png"> <img src="none.png">')
+    assert site_build().broken_links(page, tmp_path) == [
+        "<a> gone/: no such file in the site", "<a> guide/#there: no element with that id",
+        "<img> img.png: an empty file", "<img> none.png: no such file in the site"]

@@ -82,3 +82,14 @@ def test_the_plots_build_from_current_json_with_titles_and_labelled_axes(plots: 
             assert axes.get_title(), f"{name}: an axes without a title"
             assert axes.get_xlabel() or axes.get_ylabel(), f"{name}: an axes without axis labels"
             assert axes.patches, f"{name}: an axes without bars"
+
+
+def test_every_text_of_a_plot_is_legible_at_the_sites_page_width(plots: Any, current: dict[str, Any]) -> None:
+    """The site shows a plot about 700 px wide: every text, tick labels included, is 10 px high or more there."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Text
+
+    for name, figure in plots.build_figures(current).items():
+        px_per_point = 700 / (figure.get_figwidth() * 72)
+        sizes = [text.get_fontsize() for text in figure.findobj(Text) if text.get_text().strip()]
+        assert sizes and min(sizes) * px_per_point >= 10, f"{name}: a text {min(sizes) * px_per_point:.1f} px high"
