@@ -220,7 +220,11 @@ def loop_counters(trainer: Any) -> dict[str, Any]:
     (``trainer.global_step`` is its optimizer steps), ``epoch_loop._batches_that_stepped`` (the loggers'
     step) and ``epoch_progress`` (``current_epoch``), for a heal ([Note: healing] in fault_tolerance.py)."""
     loop = trainer.fit_loop
-    return {"optim_progress": loop.epoch_loop.automatic_optimization.optim_progress.state_dict(),
+    optim_progress = loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
+    for tracker in ("total", "current"):  # read inside a step: its "ready" is not a step taken
+        counts = optim_progress["optimizer"]["step"][tracker]
+        counts["ready"] = counts["completed"]
+    return {"optim_progress": optim_progress,
             "batches_that_stepped": loop.epoch_loop._batches_that_stepped,
             "epoch_progress": loop.epoch_progress.state_dict()}
 

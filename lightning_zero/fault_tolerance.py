@@ -35,9 +35,11 @@ nothing of torchft is imported.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +119,16 @@ def import_torchft() -> Any:
     return torchft
 
 
+@dataclasses.dataclass(frozen=True)
+class DataQuorum:
+    """A quorum as the data split sees it: its id (the lighthouse bumps it when the groups change), this
+    group's place in it (None: not taking part) and the number of groups taking part."""
+
+    quorum_id: int
+    place: int | None
+    participants: int
+
+
 class ReplicaGroups:
     """This rank's torchft ``Manager`` and the cross-group half of each step ([Note: one step across groups]).
 
@@ -152,6 +164,9 @@ class ReplicaGroups:
         self._factor: Tensor | None = None
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
+        self.data_quorum: DataQuorum | None = None
+        """The quorum of the last decided step: how the next step's batches are split ([Note: data quorum])."""
+        self.register_state("replica_groups", self.state, self.load_state)
 
     def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
         """``save`` (called on a torchft thread while the training thread runs forward and backward)
@@ -178,7 +193,8 @@ class ReplicaGroups:
         runs on the healed state and its first gradient counts."""
         started = time.perf_counter()
         self.start_step()
-        self.manager.wait_quorum()  # a heal's transfer runs inside the quorum (torchft's thread)
+        with self._quorum_errors():
+            self.manager.wait_quorum()  # a heal's transfer runs inside the quorum (torchft's thread)
         if _torchft_heal_pending(self.manager):
             self.joining = True
             try:
@@ -187,12 +203,22 @@ class ReplicaGroups:
                 self.joining = False
             self.config.heals += 1
             self.config.last_heal_s = time.perf_counter() - started
+        if self.data_quorum is None:  # the job's start (a heal brings its source's)
+            self.data_quorum = self._quorum()
 
     def start_step(self) -> None:
         """Start this step's quorum, once (before the forward, so the lighthouse's answer overlaps it)."""
         if self._started_at is None:
             self._started_at = time.perf_counter()
             self.manager.start_quorum()
+
+    def state(self) -> dict[str, Any]:
+        """What a heal carries of this object: the quorum the next batches are split by."""
+        return {"data_quorum": None if self.data_quorum is None else dataclasses.astuple(self.data_quorum)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        saved = state["data_quorum"]
+        self.data_quorum = None if saved is None else DataQuorum(*saved)
 
     def before_reduction(self) -> None:
         """The first reduction of a backward: the quorum is known; average over its participants.
@@ -225,13 +251,33 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether this step's update may be applied (the same answer on every rank of the group).
-        A heal's state is applied in here, before the answer."""
+        A heal's state is applied in here, before the answer.
+
+        [Note: data quorum] The batches of a step are split by the quorum of the step before (the last
+        one known when they were fetched: ``data_quorum``): a step whose own quorum differs (a group
+        left or joined) is discarded by every group, as its batches were not split among the groups
+        that reduce it. After a discarded step the next quorum is waited for before its batches are
+        fetched, and they are split by it. So a group lost, or one that joins, costs one step, and no
+        sample of a committed step is missed or seen twice."""
         self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
-        healing = not self.manager.is_participating()
-        participants = self.manager.num_participants()
+        with self._quorum_errors():
+            healing = not self.manager.is_participating()
+            participants = self.manager.num_participants()
+            quorum = self._quorum()
+        if self.data_quorum is not None and quorum.quorum_id != self.data_quorum.quorum_id:
+            self.manager.report_error(RuntimeError(
+                f"the quorum changed ({self.data_quorum.participants} -> {participants} groups): this step's"
+                " batches were split among other groups"))
         self._healed_at = None
         heal_start = time.perf_counter()
-        committed = bool(self.manager.should_commit())
+        try:
+            committed = bool(self.manager.should_commit())
+        except Exception as exc:
+            raise RuntimeError(
+                f"Replica group {self.config.replica_group_id}: its ranks did not decide the step together within"
+                f" {self.config.timeout_s} s ({exc}): a rank of this group stopped (its own log says why). torchrun"
+                " restarts the group, which heals from a live group."
+            ) from exc
         report = self.config
         report.committed = committed
         report.participants = participants
@@ -243,12 +289,47 @@ class ReplicaGroups:
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
         self._started_at = None
+        if committed:
+            self.data_quorum = quorum
+        else:
+            # The groups may have changed: the next batches are split by the next quorum, waited for now.
+            self.start_step()
+            with self._quorum_errors():
+                self.manager.wait_quorum()
+                self.data_quorum = self._quorum()
         for callback in self._on_commit:
             callback(committed)
         return committed
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints: the first group of the last step's quorum
+        (one group writes; the others skip without waiting for it)."""
+        return self.data_quorum is None or self.data_quorum.place == 0
+
+    def _quorum(self) -> DataQuorum:
+        return DataQuorum(_torchft_quorum_id(self.manager), self.manager.participating_rank(),
+                          max(self.manager.num_participants(), 1))
+
+    @contextlib.contextmanager
+    def _quorum_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            raise RuntimeError(
+                f"Replica group {self.config.replica_group_id}: no quorum from the torchft lighthouse at"
+                f" {self.config.lighthouse_address()} within {self.config.quorum_timeout_s} s ({exc}). The lighthouse"
+                " is down or unreachable, or fewer groups than its --min_replicas are up. Restart the lighthouse"
+                " and the groups: they resume from the last checkpoint (trainer.fit(ckpt_path=\"last\"))."
+            ) from exc
+
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _torchft_quorum_id(manager: Any) -> int:
+    """The id of the quorum last waited for (``Manager._quorum_id``, torchft 2026.10): the lighthouse bumps
+    it whenever the participating groups change."""
+    return int(manager._quorum_id)
 
 
 def _torchft_heal_pending(manager: Any) -> bool:

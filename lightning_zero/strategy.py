@@ -506,6 +506,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # gathers are still running (a save from on_train_batch_end): their parameters were
             # not read since, so only in-place writes can have happened.
             self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
+        if self._replica_groups is not None and self._engine_live and not self._replica_groups.writes_checkpoints():
+            return  # one replica group writes each checkpoint; this one goes on training
         with_optimizer = lightning_tree.holds_optimizer_state(checkpoint, self._engine)
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
