@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import os
 import time
@@ -54,6 +55,7 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree, plain_fabric_tree
 from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
 from lightning_zero.optimizer import ZeroOptimizer
 
 VERSION_KEY = "pytorch-lightning_version"
@@ -82,6 +84,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         the one file those write, which ``torch.load(path)["model"]`` and tools such as litgpt's read; pass
         ``ZeroCheckpointIO(mode="sharded")`` for saves that every rank writes in parallel and any world size
         reshards.
+        fault_tolerance: a :class:`~lightning_zero.FaultTolerance`: this job is one replica group of a
+            fault-tolerant job; ``optimizer.step()`` applies only committed steps, and
+            ``fabric.strategy.fault_tolerance.committed`` says whether the last one was (count steps by it).
+            A group behind the others heals in ``fabric.setup``.
 
     A save still in flight is finished by the next ``fabric.save``, by ``fabric.load`` and by
     :meth:`teardown`, which also ends the saver's thread and coordination group (Fabric does not call it:
@@ -110,6 +116,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         whole_step_group_mb: float | None = 1024.0,
         full_gradients: bool = False,
         release_grad_shards: bool = True,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         # Validated before anything else so a bad option fails at construction, on every rank.
         self.zero_config = ZeroConfig(stage, bucket_size_mb, overlap_communication, overlap_param_gather, reduce_dtype,
@@ -133,6 +140,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._meta: dict[nn.Module, dict[str, Any]] = {}
         self._hooks: list[Any] = []
         self._skipping_sync = False  # inside ``fabric.no_backward_sync(model)``
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
+        self._fault_tolerance = fault_tolerance
+        self._replica_groups: ReplicaGroups | None = None
         self._io_set_up = False
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
@@ -208,7 +219,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def _build_engine(self, module: nn.Module, optimizers: list[Optimizer]) -> ZeroEngine:
         if not optimizers:
             raise ValueError("ZeroLowLevelStrategy needs at least one optimizer to shard: `fabric.setup(model, optimizer)`.")
-        engine = ZeroEngine(module, optimizers, self.zero_config)  # broadcasts rank 0's weights and buffers
+        groups = self._join_replica_groups()
+        # broadcasts rank 0's weights and buffers
+        engine = ZeroEngine(module, optimizers, self.zero_config, replica_groups=groups)
         self._engines[module] = engine
         io = self.checkpoint_io
         if isinstance(io, ZeroCheckpointIO) and not self._io_set_up:
@@ -222,12 +235,31 @@ class ZeroLowLevelStrategy(DDPStrategy):
         for optimizer in engine.optimizers:
             # The only mutation of checkpointed tensors: an asynchronous save still copying them finishes first.
             optimizer.register_pre_update_hook(wait_for_staging)
+        if groups is not None:
+            groups.register_state("engine", lambda: engine_state(engine), lambda state: load_engine_state(engine, state))
+            for optimizer in engine.optimizers:
+                optimizer.register_pre_update_hook(functools.partial(groups.decide, optimizer))
+            groups.join()  # a group behind the others heals now, before its first forward
         self._route_loss_scaler(engine)
         if self.broadcast_buffers and any(True for _ in module.buffers()):
             broadcast = _BufferBroadcast(self, engine)
             self._hooks += [module.register_forward_pre_hook(broadcast.before_forward),
                             module.register_forward_hook(broadcast.after_forward)]
         return engine
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """The fault tolerance settings, with what the last ``optimizer.step()`` did (``committed``, ...)."""
+        return self._fault_tolerance
+
+    def _join_replica_groups(self) -> ReplicaGroups | None:
+        if self._fault_tolerance is None:
+            return None
+        if self._replica_groups is not None:
+            raise ValueError("Fault tolerance commits one optimizer step at a time: set up one module with its"
+                             " optimizer under it.")
+        self._replica_groups = ReplicaGroups(self._fault_tolerance, self.global_rank, self.world_size, self.root_device)
+        return self._replica_groups
 
     def _route_loss_scaler(self, engine: ZeroEngine) -> None:
         """fp16 (``16-mixed``): the precision plugin's scaler unscales the master shards and all-reduces its
@@ -461,6 +493,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         """Finish the save in flight and close the engines (their hooks and process groups)."""
         for engine in self._engines.values():
             engine.close()
+        if self._replica_groups is not None:
+            self._replica_groups.close()
+            self._replica_groups = None
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -586,3 +621,4 @@ def _broadcast_state(module: nn.Module) -> None:
 
 def _from_blob(blob: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+

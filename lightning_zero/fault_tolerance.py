@@ -49,6 +49,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from lightning_zero.engine import ZeroEngine
+    from lightning_zero.optimizer import ZeroOptimizer
 
 FT_EXTRA = 'pip install "lightning-zero[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -69,7 +70,8 @@ class FaultTolerance:
     After each optimizer step the strategy's ``fault_tolerance`` reports ``committed`` (was the step
     applied), ``participants`` (groups in its quorum), ``heals`` (how often this group was healed),
     ``last_heal_s`` (the last heal: the quorum that asked for it, the transfer and the load) and ``last_stall_s`` (the last discarded
-    step: from its start to the decision), and ``discarded`` (steps discarded so far).
+    step: from its start to the decision), ``discarded`` (steps discarded so far) and ``steps`` (the steps
+    the job has committed since it started, carried to a group by its heal: a Fabric loop counts by it).
     """
 
     def __init__(self, replica_group_id: int, lighthouse: str | None = None, min_replica_groups: int = 1,
@@ -90,6 +92,7 @@ class FaultTolerance:
         self.participants = 0
         self.heals = 0
         self.discarded = 0
+        self.steps = 0
         self.last_heal_s: float | None = None
         self.last_stall_s: float | None = None
 
@@ -203,6 +206,7 @@ class ReplicaGroups:
                 self.joining = False
             self.config.heals += 1
             self.config.last_heal_s = time.perf_counter() - started
+            self.config.steps = self.manager.current_step()
         if self.data_quorum is None:  # the job's start (a heal brings its source's)
             self.data_quorum = self._quorum()
 
@@ -281,6 +285,7 @@ class ReplicaGroups:
         report = self.config
         report.committed = committed
         report.participants = participants
+        report.steps = self.manager.current_step()
         if healing and self._healed_at is not None:
             report.heals += 1
             report.last_heal_s = time.perf_counter() - heal_start
@@ -300,6 +305,17 @@ class ReplicaGroups:
         for callback in self._on_commit:
             callback(committed)
         return committed
+
+    def decide(self, optimizer: ZeroOptimizer) -> bool:
+        """The pre-update hook of ``optimizer``: :meth:`commit`, and for a discarded step no update (and,
+        when the step healed this rank, its parameters gathered from the healed masters now)."""
+        heals = self.config.heals
+        if self.commit():
+            return True
+        optimizer.skip_next_update()
+        if self.config.heals != heals:
+            optimizer.gather_params(all_buckets=True)
+        return False
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the job's checkpoints: the first group of the last step's quorum

@@ -277,18 +277,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
             optimizer.register_pre_update_hook(functools.partial(self._decide_step, trainer, groups, optimizer))
 
     def _decide_step(self, trainer: Trainer, groups: ReplicaGroups, optimizer: ZeroOptimizer) -> None:
-        heals = groups.config.heals
-        if groups.commit():
+        if groups.decide(optimizer):
             return
-        optimizer.skip_next_update()
         _compat.discard_optimizer_step(trainer)
         # The Trainer steps the LR schedulers after this step all the same: undone before the next batch.
         self._undo_schedulers = [(config.scheduler, config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
                                  if config.interval == "step"]
         self._undo_hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        if groups.config.heals != heals:
-            # Healed but not committed: the module's parameters are rebuilt from the healed masters now.
-            optimizer.gather_params(all_buckets=True)
 
     def _undo_scheduler_steps(self) -> None:
         """Back to the LR schedulers and hyper-parameters of before a discarded step's scheduler step."""

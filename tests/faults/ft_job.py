@@ -42,12 +42,15 @@ class Model(L.LightningModule):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         delay = float(os.environ.get("FT_STEP_SLEEP", "0"))
         if delay:
             time.sleep(delay)
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
         self.last_loss = float(loss.detach())
         return loss
 
@@ -57,8 +60,7 @@ class Model(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def state_digest(strategy: ZeroLowLevelStrategy) -> str:
-    engine = strategy.engine
+def engine_digest(engine) -> str:  # noqa: ANN001
     h = hashlib.sha256()
     for sp in engine.sharded_params.values():
         h.update(sp.master.detach().numpy().tobytes())
@@ -73,18 +75,56 @@ class Report(L.Callback):
         self.out, self.group, self.group_size = out, group, group_size
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Model, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        strategy = trainer.strategy
-        ft = strategy.fault_tolerance
-        line = {"t": time.time(), "pid": os.getpid(), "global_step": trainer.global_step,
-                "lr": trainer.optimizers[0].param_groups[0]["lr"], "loss": pl_module.last_loss,
-                "digest": state_digest(strategy),
-                "samples": [int(i) for i in batch[2]] if len(batch) > 2 else None}
-        if ft is not None:
-            line.update(committed=ft.committed, participants=ft.participants, heals=ft.heals,
-                        last_heal_s=ft.last_heal_s, last_stall_s=ft.last_stall_s)
+        line = report_line(trainer.strategy, trainer.global_step, pl_module.last_loss,
+                           trainer.optimizers[0].param_groups[0]["lr"], trainer.strategy.engine)
         path = self.out / f"g{self.group}_r{trainer.global_rank % self.group_size}.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def report_line(strategy, step: int, loss: float, lr: float, engine) -> dict:  # noqa: ANN001
+    ft = strategy.fault_tolerance
+    line = {"t": time.time(), "pid": os.getpid(), "global_step": step, "lr": lr, "loss": loss,
+            "digest": engine_digest(engine)}
+    if ft is not None:
+        line.update(committed=ft.committed, participants=ft.participants, heals=ft.heals,
+                    last_heal_s=ft.last_heal_s, last_stall_s=ft.last_stall_s)
+    return line
+
+
+def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> None:
+    """The same job as a Fabric loop: ``optimizer.step()`` applies only committed steps, counted by the report."""
+    from lightning_zero.fabric import ZeroLowLevelStrategy as FabricZero
+
+    ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricZero(stage=2, fault_tolerance=ft))
+    fabric.launch()
+    torch.manual_seed(0)
+    module = Model()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    sampler = torch.utils.data.DistributedSampler(Numbers(), num_replicas=groups * world, rank=group * world + rank,
+                                                  shuffle=True, seed=1)
+    loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler)
+    engine = fabric.strategy.engine_of(model)
+    step = 0
+    epoch = 0
+    while step < STEPS:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if os.environ.get("FT_STEP_SLEEP"):
+                time.sleep(float(os.environ["FT_STEP_SLEEP"]))
+            loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step = fabric.strategy.fault_tolerance.steps  # the job's committed steps, carried by a heal
+            line = report_line(fabric.strategy, step, float(loss.detach()), optimizer.param_groups[0]["lr"], engine)
+            with open(out / f"g{group}_r{rank}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+            if step >= STEPS:
+                break
+        epoch += 1
+    fabric.strategy.teardown()
 
 
 def main() -> None:
@@ -96,6 +136,9 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     groups = int(os.environ.get("FT_GROUPS", "2"))
+    if os.environ.get("FT_FABRIC") == "1":
+        fabric_main(out, group, world, rank, groups)
+        return
     if hybrid:
         k = world // groups
         strategy = ZeroLowLevelStrategy(stage=2, shard_group_size=k)

@@ -61,12 +61,14 @@ def test_no_failure_matches_the_same_hybrid_job_bit_for_bit(tmp_path: Path) -> N
             assert [r["lr"] for r in with_ft] == [r["lr"] for r in without]  # the LR schedule steps alike
 
 
-def test_a_killed_group_costs_the_others_one_step_and_heals_when_relaunched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_a_killed_group_costs_the_others_one_step_and_heals_when_relaunched(tmp_path: Path, front_end: str) -> None:
     """3 groups x 2 ranks. Group 2 is SIGKILLed mid-training: groups 0 and 1 go on in the same processes,
     bit-identical to each other at every committed step, with at most one step discarded and no NaN. Group 2
     relaunched heals from a live group before its first forward: at every step it shares with group 0 afterwards,
     its state is bit-identical."""
-    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
+    env = {"FT_FABRIC": "1"} if front_end == "fabric" else {}
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15, env=env) as ft:
         ft.start()
         ft.wait_for(lambda: all(any(r["participants"] == 3 for r in ft.committed(g)) for g in range(3))
                     and ft.step_of(0) >= 8, 240, "all three groups committing together past step 8")
