@@ -266,7 +266,9 @@ def quiet_not_resumable_warning(trainer: Any, resumed_exactly: Callable[[], bool
 
 
 class _QuietReset:
-    """``_TrainingEpochLoop.reset`` without :data:`NOT_RESUMABLE_WARNING` while ``resumed_exactly()``."""
+    """``_TrainingEpochLoop.reset`` without :data:`NOT_RESUMABLE_WARNING` while ``resumed_exactly()``.
+    ``warnings.catch_warnings`` swaps the process's filters, so another thread's warning in that window meets the
+    same filter: it leaves out this one message only."""
 
     def __init__(self, epoch_loop: Any, resumed_exactly: Callable[[], bool]) -> None:
         self.reset = type(epoch_loop).reset.__get__(epoch_loop)
