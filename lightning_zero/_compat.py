@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -68,10 +70,10 @@ from lightning.pytorch.core.optimizer import _MockOptimizer as MockOptimizer  # 
 from lightning.pytorch.overrides.distributed import _sync_module_states as sync_module_states  # noqa: E402
 
 __all__ = [
-    "MIN_LIGHTNING", "MIN_TORCH", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save", "dcp_metadata_path",
-    "device_types", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
-    "is_compiled_function", "process_group_timeout", "require_supported_versions", "run_at_trace_time",
-    "save_planner_caches",
+    "MIN_LIGHTNING", "MIN_TORCH", "NOT_RESUMABLE_WARNING", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save",
+    "dcp_metadata_path", "device_types", "element_size", "fsspec_storage_classes", "lightning_loader",
+    "plain_checkpoint_load", "is_compiled_function", "process_group_timeout", "quiet_not_resumable_warning",
+    "replace_inserted_sampler", "require_supported_versions", "run_at_trace_time", "save_planner_caches",
     "save_planner_kwargs", "sync_module_states",
 ]
 
@@ -251,6 +253,72 @@ def discard_optimizer_step(trainer: Any) -> None:
         tracker.ready -= 1
         tracker.completed -= 1
     loop._batches_that_stepped -= 1
+
+
+def replace_inserted_sampler(trainer: Any, replace: Callable[[Any, Any], Any | None]) -> None:
+    """Give this trainer's training loaders ``replace(loader, sampler)`` (unless None) in place of the sampler
+    Lightning inserts. With ``use_distributed_sampler=True`` a distributed run's loader whose sampler is a
+    ``RandomSampler``/``SequentialSampler`` gets a ``DistributedSampler`` of the strategy's
+    ``distributed_sampler_kwargs``, built in ``trainer._data_connector._resolve_sampler(dataloader, shuffle,
+    mode)`` by ``_get_distributed_sampler`` (Lightning 2.5 and 2.6) and put in by ``_update_dataloader``. Only that
+    sampler is offered: a loader's own sampler (a ``DistributedSampler`` too) comes back as ``loader.sampler``,
+    any other one wrapped in a ``DistributedSamplerWrapper``, and neither is replaced. The connector's
+    ``_resolve_sampler`` is wrapped as an attribute of this trainer's connector (the class stays Lightning's);
+    calling this again replaces the earlier wrapper."""
+    connector = trainer._data_connector
+    connector._resolve_sampler = _ResolveSampler(connector, replace)
+
+
+class _ResolveSampler:
+    """``_DataConnector._resolve_sampler`` with the inserted training sampler replaced (a class, not a closure:
+    a trainer a launcher pickles carries it)."""
+
+    def __init__(self, connector: Any, replace: Callable[[Any, Any], Any | None]) -> None:
+        self.resolve = type(connector)._resolve_sampler.__get__(connector)
+        self.replace = replace
+
+    def __call__(self, dataloader: Any, shuffle: bool, mode: Any = None) -> Any:
+        from lightning.pytorch.trainer.states import RunningStage
+        from torch.utils.data import DistributedSampler
+
+        sampler = self.resolve(dataloader, shuffle, mode)
+        if mode == RunningStage.TRAINING and type(sampler) is DistributedSampler and sampler is not dataloader.sampler:
+            return self.replace(dataloader, sampler) or sampler
+        return sampler
+
+
+NOT_RESUMABLE_WARNING = ("You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
+                         " not resumable.")
+"""The start of the warning ``_TrainingEpochLoop.reset`` gives when a fit resumes in the middle of an epoch and a
+training loader is not ``_Stateful`` (has no ``state_dict``/``load_state_dict``; Lightning 2.5 and 2.6)."""
+
+
+def quiet_not_resumable_warning(trainer: Any, resumed_exactly: Callable[[], bool]) -> None:
+    """Leave out :data:`NOT_RESUMABLE_WARNING` when ``resumed_exactly()``: a callback has put the training loaders'
+    samplers where the checkpoint left them, which Lightning's check (``isinstance(loader, _Stateful)`` for every
+    loader of ``trainer.fit_loop._combined_loader``, in ``trainer.fit_loop.epoch_loop.reset()``, after
+    ``on_train_start``) cannot see. ``reset`` is wrapped as an attribute of this trainer's epoch loop, the filter
+    held only while it runs; calling this again replaces the earlier wrapper."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.reset = _QuietReset(epoch_loop, resumed_exactly)
+
+
+class _QuietReset:
+    """``_TrainingEpochLoop.reset`` without :data:`NOT_RESUMABLE_WARNING` while ``resumed_exactly()``.
+    ``warnings.catch_warnings`` swaps the process's filters, so another thread's warning in that window meets the
+    same filter: it leaves out this one message only."""
+
+    def __init__(self, epoch_loop: Any, resumed_exactly: Callable[[], bool]) -> None:
+        self.reset = type(epoch_loop).reset.__get__(epoch_loop)
+        self.resumed_exactly = resumed_exactly
+
+    def __call__(self) -> None:
+        if not self.resumed_exactly():
+            self.reset()
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(NOT_RESUMABLE_WARNING))
+            self.reset()
 
 
 # jsonargparse ------------------------------------------------------------------------------------

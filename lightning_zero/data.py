@@ -11,6 +11,17 @@ as the uninterrupted run would have.
 number of batches the training loop finished, not what the loader's workers prefetched) and gives it
 back to the samplers when a fit resumes.
 
+[Note: the data position by default] ``ZeroLowLevelStrategy`` calls :func:`keep_data_position` for every run:
+the ``DistributedSampler`` Lightning puts into a training loader (``use_distributed_sampler=True``, the loader's
+sampler a ``RandomSampler`` or ``SequentialSampler``) becomes an :class:`ElasticDistributedSampler` of the same
+settings, and a fit without a :class:`DataPosition` gets one (``strict=False``), added before the callbacks'
+``setup`` and the restore of their state. So ``trainer.fit(ckpt_path="last")`` continues the epoch at any world
+size without the user asking. A loader's own sampler, and every loader under ``use_distributed_sampler=False``,
+is left as it is. Lightning asks a resumable loader for ``state_dict``/``load_state_dict``; the position is kept
+by the callback instead, so that a checkpoint still resumes under a strategy without it (plain DDP: Lightning
+refuses a checkpoint whose loader states its loaders cannot take), and Lightning's "not resumable" warning is
+left out only when the callback did resume every training loader (``_compat.quiet_not_resumable_warning``).
+
 [Note: the global batch on a new world size] Each rank keeps its batch size, so a run that shrinks from
 N to M ranks takes global batches of ``M / N`` the size (and more steps per epoch). Learning-rate
 schedules written per step see more steps; a user who must keep the global batch raises
@@ -27,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -61,6 +74,16 @@ class ElasticDistributedSampler(DistributedSampler):
         self.epoch = 0
         self.start = 0
         """Samples of this epoch's global order consumed before this iteration (by any world size)."""
+
+    @classmethod
+    def from_distributed_sampler(cls, sampler: DistributedSampler) -> ElasticDistributedSampler:
+        """The sampler of ``sampler``'s order and split: its dataset, world size, rank, shuffle, seed, drop_last
+        and epoch."""
+        dataset: Sized = sampler.dataset  # type: ignore[assignment]
+        elastic = cls(dataset, num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=sampler.shuffle,
+                      seed=sampler.seed, drop_last=sampler.drop_last)
+        elastic.epoch = sampler.epoch
+        return elastic
 
     @property  # type: ignore[override]
     def num_replicas(self) -> int:
@@ -149,10 +172,20 @@ class DataPosition(Callback):
 
     The position is counted from the batches the training loop finished (each rank's batch size times the
     world size), not from the sampler, whose loader's workers read ahead. Every rank of a data-parallel run
-    finishes the same number of batches, so every rank saves the same position.
+    finishes the same number of batches, so every rank saves the same position. ``ZeroLowLevelStrategy`` adds
+    one (``strict=False``) to a fit that has none ([Note: the data position by default]).
+
+    Args:
+        strict: a recorded position that does not fit the training loaders (another number of
+            ElasticDistributedSamplers, another dataset size) is a ``ValueError``; False warns and leaves the
+            samplers at the epoch's start, as a loader without a position resumes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = True) -> None:
+        self.strict = strict
+        self.resumed_exactly = False
+        """Whether this fit put every training loader where the checkpoint left it (Lightning's "not resumable"
+        warning is then left out)."""
         self._base: list[int] = []
         """Per sampler: samples of the epoch consumed before this fit's first batch of it."""
         self._batches = 0
@@ -169,23 +202,26 @@ class DataPosition(Callback):
         samplers = _samplers(trainer)
         self._base = [0] * len(samplers)
         self._batches = 0
+        self.resumed_exactly = False
         loaded, self._loaded = self._loaded, None
-        if loaded is None:
+        positions = [] if loaded is None else loaded.get("samplers", [])
+        if loaded is None or not (positions or self.strict):  # no position recorded: nothing to put back
             return
-        positions = loaded.get("samplers", [])
-        if len(positions) != len(samplers):
-            raise ValueError(f"The checkpoint records the position of {len(positions)} ElasticDistributedSampler(s),"
-                             f" the training loaders have {len(samplers)}: resume with the loaders it was saved with.")
+        mismatch = _mismatch(positions, samplers)
+        if mismatch is not None:
+            if self.strict:
+                raise ValueError(mismatch)
+            rank_zero_warn(f"{mismatch} DataPosition(strict=False) leaves the samplers at the epoch's start: the rest"
+                           " of this epoch is not the rest of the saved one.")
+            return
         for index, (sampler, position) in enumerate(zip(samplers, positions)):
-            if position["dataset_size"] != len(sampler.dataset):
-                raise ValueError(f"The checkpoint's data position is for a dataset of {position['dataset_size']}"
-                                 f" samples, this loader's has {len(sampler.dataset)}: resume with the same dataset.")
             sampler.resume_at(position["epoch"], position["consumed"])
             self._base[index] = position["consumed"]
         if positions and positions[0]["epoch"] == trainer.current_epoch:  # in the middle of the epoch
             _renumber_batches(trainer, positions[0]["consumed"] // (_batch_size(_loaders(trainer)[0])
                                                                     * samplers[0].num_replicas))
             _compat.restart_training_iterator(trainer)  # made before this hook, from the epoch's start
+        self.resumed_exactly = len(samplers) == len(_leaves(trainer))
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -200,15 +236,17 @@ class DataPosition(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """``{"samplers": [...]}``, one position per ElasticDistributedSampler; empty (Lightning writes nothing)
+        without one."""
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
-            return {"samplers": []}
+            return {}
         positions = []
         for sampler, loader, base in zip(_samplers(trainer), _loaders(trainer), self._base):
             consumed = base + self._batches * _batch_size(loader) * sampler.num_replicas
             positions.append({"epoch": sampler.epoch, "consumed": min(consumed, len(sampler.dataset)),
                               "dataset_size": len(sampler.dataset), "seed": sampler.seed})
-        return {"samplers": positions}
+        return {"samplers": positions} if positions else {}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,6 +255,38 @@ class DataPosition(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if stage == TrainerFn.FITTING:
+            _compat.quiet_not_resumable_warning(trainer, self._resumed_exactly)
+
+    def _resumed_exactly(self) -> bool:
+        return self.resumed_exactly
+
+
+def keep_data_position(trainer: Trainer) -> None:
+    """The training loaders' data position kept without the user asking ([Note: the data position by default]):
+    called by the strategy before the callbacks' ``setup``."""
+    _compat.replace_inserted_sampler(trainer, _elastic_in_place_of)
+    if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, DataPosition) for c in trainer.callbacks):
+        # First: Lightning runs ModelCheckpoint last, and the batch it saves after must be counted by then.
+        trainer.callbacks.insert(0, DataPosition(strict=False))
+
+
+def _elastic_in_place_of(loader: DataLoader, sampler: DistributedSampler) -> ElasticDistributedSampler | None:
+    if not isinstance(getattr(loader.batch_sampler, "batch_size", None), int):
+        return None  # DataPosition counts samples as batches x batch size: a loader without one keeps Lightning's
+    return ElasticDistributedSampler.from_distributed_sampler(sampler)
+
+
+def _mismatch(positions: list[dict[str, Any]], samplers: list[ElasticDistributedSampler]) -> str | None:
+    """Why the recorded ``positions`` do not fit the training loaders' ``samplers``, or None."""
+    if len(positions) != len(samplers):
+        return (f"The checkpoint records the position of {len(positions)} ElasticDistributedSampler(s), the training"
+                f" loaders have {len(samplers)}: resume with the loaders it was saved with.")
+    for sampler, position in zip(samplers, positions):
+        if position["dataset_size"] != len(sampler.dataset):
+            return (f"The checkpoint's data position is for a dataset of {position['dataset_size']} samples, this"
+                    f" loader's has {len(sampler.dataset)}: resume with the same dataset.")
+    return None
 
 
 def _renumber_batches(trainer: Trainer, done: int) -> None:
@@ -232,23 +302,28 @@ def _renumber_batches(trainer: Trainer, done: int) -> None:
         setattr(progress, counter, max(0, getattr(progress, counter) + shift))
 
 
-def _loaders(trainer: Trainer) -> list[DataLoader]:
-    """The training DataLoaders whose sampler is an ElasticDistributedSampler, in a fixed order."""
-    found: list[DataLoader] = []
+def _leaves(trainer: Trainer) -> list[Any]:
+    """The training loaders (every iterable in the train dataloaders' dicts, lists and tuples), in a fixed order."""
+    found: list[Any] = []
 
     def walk(value: Any) -> None:
-        if isinstance(value, DataLoader):
-            if isinstance(value.sampler, ElasticDistributedSampler):
-                found.append(value)
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             for key in sorted(value):
                 walk(value[key])
         elif isinstance(value, (list, tuple)):
             for item in value:
                 walk(item)
+        elif value is not None:
+            found.append(value)
 
     walk(trainer.train_dataloader)
     return found
+
+
+def _loaders(trainer: Trainer) -> list[DataLoader]:
+    """The training DataLoaders whose sampler is an ElasticDistributedSampler, in a fixed order."""
+    return [leaf for leaf in _leaves(trainer)
+            if isinstance(leaf, DataLoader) and isinstance(leaf.sampler, ElasticDistributedSampler)]
 
 
 def _samplers(trainer: Trainer) -> list[ElasticDistributedSampler]:

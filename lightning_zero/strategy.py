@@ -44,6 +44,7 @@ from lightning_zero.checkpoint.lightning.hook_weights import (
     keep_own_values,
 )
 from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
+from lightning_zero.data import keep_data_position
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
 from lightning_zero.optimizer import ZeroOptimizer
@@ -156,6 +157,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
         super()._configure_launcher()
         assert self._launcher is not None
         self._launcher.launch = LaunchWithFixes(self._launcher)  # type: ignore[method-assign]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.lightning_module is not None
+        # Before the callbacks' setup and the restore of their state: [Note: the data position by default].
+        keep_data_position(self.lightning_module.trainer)
 
     @property
     def fault_tolerance(self) -> FaultTolerance | None:

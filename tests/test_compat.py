@@ -313,3 +313,57 @@ def test_restart_training_iterator_makes_the_fit_loops_iterator_anew() -> None:
 
     _compat.restart_training_iterator(FakeTrainer())
     assert Fetcher.iterated == 1
+
+
+def test_replace_inserted_sampler_offers_only_the_distributed_sampler_lightning_puts_in_a_training_loader() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    class Replacement(DistributedSampler):
+        pass
+
+    offered: list[Any] = []
+
+    def replace(loader: DataLoader, sampler: DistributedSampler) -> Replacement:
+        offered.append(sampler)
+        return Replacement(sampler.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank)
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)  # not launched: no processes
+    _compat.replace_inserted_sampler(trainer, replace)
+    _compat.replace_inserted_sampler(trainer, replace)  # replaces the first wrapper, does not wrap it
+    prepare = trainer._data_connector._prepare_dataloader
+    data = list(range(8))
+    loader = prepare(DataLoader(data, batch_size=2, shuffle=True), shuffle=True, mode=RunningStage.TRAINING)
+    assert type(loader.sampler) is Replacement and loader.batch_size == 2
+    [inserted] = offered
+    assert type(inserted) is DistributedSampler and inserted.shuffle and inserted.num_replicas == 2
+    own = DistributedSampler(data, num_replicas=2, rank=0)
+    assert prepare(DataLoader(data, sampler=own), shuffle=True, mode=RunningStage.TRAINING).sampler is own
+    validation = prepare(DataLoader(data, batch_size=2), shuffle=False, mode=RunningStage.VALIDATING)
+    assert type(validation.sampler) is DistributedSampler and len(offered) == 1
+
+
+def test_not_resumable_warning_is_lightnings_and_left_out_only_while_resumed_exactly(tmp_path: Path) -> None:
+    import warnings
+
+    from data_cases import Ids, RecordsIds
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    def fit(max_steps: int, ckpt_path: Path | None = None, resumed_exactly: bool | None = None) -> list[str]:
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        if resumed_exactly is not None:
+            _compat.quiet_not_resumable_warning(trainer, lambda: resumed_exactly)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(RecordsIds(), DataLoader(Ids(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(tmp_path / "middle.ckpt")  # 2 of the epoch's 6 batches done
+        return [str(w.message) for w in caught if _compat.NOT_RESUMABLE_WARNING in str(w.message)]
+
+    assert fit(2) == []
+    assert len(fit(3, tmp_path / "middle.ckpt")) == 1  # Lightning's own text
+    assert len(fit(3, tmp_path / "middle.ckpt", resumed_exactly=False)) == 1
+    assert fit(3, tmp_path / "middle.ckpt", resumed_exactly=True) == []
