@@ -4,6 +4,10 @@ optimizer step to ``FT_OUT/g<group>_r<rank>.jsonl``: the trainer's step, the fau
 a digest of this rank's master shards and optimizer state (the same group rank holds the same shard in
 every group, so equal digests mean bit-identical state).
 
+``FT_DIE_IN_ALLREDUCE_AT=N``: at trainer step N this group dies inside the cross-group all-reduce (its
+first rank SIGKILLs the group's agent, its workers and itself right after launching its first bucket's hop).
+``FT_CKPT_DIR``: a sharded checkpoint every 5 steps (and ``last``) there, which one group writes.
+
 ``FT_HYBRID=1`` runs the same model and data as one job without fault tolerance, hybrid-sharded over
 groups of K ranks (``FT_GROUPS`` x K processes, ``shard_group_size=K``): the reference a fault-tolerant
 run with no failure must match. ``FT_STEP_SLEEP`` slows each step so a test can kill a group mid-run."""
@@ -52,6 +56,7 @@ class Model(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
         self.last_loss = float(loss.detach())
+        self.log("step", float(self.trainer.global_step))
         return loss
 
     def configure_optimizers(self):  # noqa: ANN201
@@ -127,6 +132,33 @@ def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> No
     fabric.strategy.teardown()
 
 
+def die_inside_the_cross_group_all_reduce(at_step: int, trainer_of: list) -> None:  # noqa: ANN001
+    """Patch ReplicaGroups.all_reduce: at ``at_step`` rank 0 launches its hop, then kills its whole group."""
+    import signal
+
+    from lightning_zero.fault_tolerance import ReplicaGroups
+
+    original = ReplicaGroups.all_reduce
+
+    def all_reduce(self, tensor):  # noqa: ANN001, ANN202
+        work = original(self, tensor)
+        if trainer_of and trainer_of[0].global_step == at_step and trainer_of[0].global_rank == 0:
+            agent = os.getppid()
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) != os.getpid():
+                    try:
+                        stat = Path(f"/proc/{entry}/stat").read_text()
+                    except OSError:
+                        continue
+                    if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
+                        os.kill(int(entry), signal.SIGKILL)
+            os.kill(agent, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return work
+
+    ReplicaGroups.all_reduce = all_reduce
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(os.environ["FT_OUT"])
@@ -146,7 +178,8 @@ def main() -> None:
         data_rank, data_ranks = rank, world
     else:
         k = world
-        ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")))
+        ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")),
+                            quorum_timeout_s=float(os.environ.get("FT_QUORUM_TIMEOUT", "60")))
         strategy = ZeroLowLevelStrategy(stage=2, fault_tolerance=ft)
         data_rank, data_ranks = group * k + rank, groups * k
     torch.manual_seed(0)
@@ -154,10 +187,22 @@ def main() -> None:
     sampler = torch.utils.data.DistributedSampler(Numbers(), num_replicas=data_ranks, rank=data_rank,
                                                   shuffle=True, seed=1)
     loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler)
-    trainer = L.Trainer(accelerator="cpu", devices=world,
-                        strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,
+    callbacks: list = [Report(out, group if not hybrid else rank // k, k)]
+    plugins = []
+    if os.environ.get("FT_CKPT_DIR"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from lightning_zero import ZeroCheckpointIO
+
+        callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_CKPT_DIR"], every_n_train_steps=5, save_last=True,
+                                         save_top_k=1, monitor="step", mode="max"))
+        plugins.append(ZeroCheckpointIO(mode="sharded"))
+    trainer = L.Trainer(accelerator="cpu", devices=world, plugins=plugins,
+                        strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=bool(plugins),
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[Report(out, group if not hybrid else rank // k, k)])
+                        callbacks=callbacks)
+    if os.environ.get("FT_DIE_IN_ALLREDUCE_AT"):
+        die_inside_the_cross_group_all_reduce(int(os.environ["FT_DIE_IN_ALLREDUCE_AT"]), [trainer])
     trainer.fit(model, loader)
 
 

@@ -6,6 +6,7 @@ its master shards and optimizer state, so "bit-identical" below is a comparison 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -98,3 +99,114 @@ def test_a_killed_group_costs_the_others_one_step_and_heals_when_relaunched(tmp_
         assert relaunched[0]["heals"] == 1
         assert assert_identical_where_shared(ft.reports(0, rank), relaunched) >= 5
     print(f"stall {stall:.2f} s; discarded {len(discarded)}; heal {relaunched[0]['last_heal_s']:.2f} s")
+
+
+def committing(ft: FTCluster, group: int, participants: int, since: float, count: int) -> bool:
+    return sum(r["committed"] and r["participants"] == participants for r in ft.reports(group) if r["t"] > since) >= count
+
+
+def test_a_group_dying_inside_the_cross_group_all_reduce(tmp_path: Path) -> None:
+    """Group 2 dies (agent and workers SIGKILLed by its first rank) right after launching its share of the cross-
+    group all-reduce: the other two discard at most that step, stay bit-identical at every committed step, and
+    apply no partial step (no NaN, the same digests as each other)."""
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
+        ft.start_lighthouse()
+        ft.launch(0)
+        ft.launch(1)
+        ft.launch(2, extra_env={"FT_DIE_IN_ALLREDUCE_AT": "12"})
+        ft.wait_for(lambda: ft.procs[2].poll() is not None, 240, "group 2 dying inside the all-reduce")
+        died_at = time.time()
+        assert any(r["participants"] == 3 for r in ft.committed(2)), "group 2 never took part"
+        ft.wait_for(lambda: committing(ft, 0, 2, died_at, 8) and committing(ft, 1, 2, died_at, 8), 60,
+                    "the survivors committing on their own")
+    for rank in range(2):
+        assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 15
+    assert sum(not r["committed"] for r in ft.reports(0)) <= 1
+
+
+def test_a_frozen_group_is_dropped_and_rejoins_by_healing(tmp_path: Path) -> None:
+    """Group 2 frozen (SIGSTOP) well past the timeout: the others drop it and go on. Resumed (SIGCONT), it is behind:
+    it rejoins by healing (in its processes, or in new ones if its torchrun restarts it) and is then bit-identical
+    to the others, which it never corrupted."""
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15, timeout_s=2) as ft:
+        ft.start_lighthouse()
+        ft.launch(0)
+        ft.launch(1)
+        ft.launch(2, max_restarts=2)
+        ft.wait_for(lambda: all(committing(ft, g, 3, 0, 2) for g in range(3)), 240, "three groups committing")
+        frozen_at = ft.kill(2, signal.SIGSTOP)
+        ft.wait_for(lambda: committing(ft, 0, 2, frozen_at + 4, 5), 90, "the others committing past the timeout")
+        resumed_at = ft.kill(2, signal.SIGCONT)
+        ft.wait_for(lambda: committing(ft, 2, 3, resumed_at, 5), 240, "the frozen group back among three")
+    for rank in range(2):
+        assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 20
+        back = [r for r in ft.reports(2, rank) if r["t"] > resumed_at]
+        assert assert_identical_where_shared(ft.reports(0, rank), back) >= 5
+    assert all(math.isfinite(r["loss"]) for g in range(3) for r in ft.reports(g))
+
+
+def test_down_to_one_group_and_back_to_three(tmp_path: Path) -> None:
+    """min_replica_groups=1: groups 1 and 2 killed one after the other, group 0 trains alone; both relaunched, they
+    heal and the three are bit-identical again."""
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
+        ft.start()
+        ft.wait_for(lambda: all(committing(ft, g, 3, 0, 2) for g in range(3)), 240, "three groups committing")
+        ft.kill(1)
+        ft.wait_for(lambda: committing(ft, 0, 2, time.time(), 3), 60, "two groups committing")
+        alone_at = ft.kill(2)
+        ft.wait_for(lambda: committing(ft, 0, 1, alone_at, 5), 60, "group 0 committing alone")
+        back_at = time.time()
+        ft.launch(1)
+        ft.launch(2)
+        ft.wait_for(lambda: all(committing(ft, g, 3, back_at, 5) for g in range(3)), 240, "three groups again")
+    for group in (1, 2):
+        for rank in range(2):
+            back = [r for r in ft.reports(group, rank) if r["t"] > back_at]
+            assert back[0]["heals"] == 1
+            assert assert_identical_where_shared(ft.reports(0, rank), back) >= 5
+
+
+def test_a_lost_lighthouse_stops_every_group_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """The lighthouse SIGKILLed: no group hangs; each stops once its quorum timeout (5 s here) has passed, saying
+    what happened and what to do, and the last checkpoint (sharded, written by one group) reads whole. torchft's
+    managers do not reconnect to a restarted lighthouse within a quorum request, so the job stops."""
+    from lightning_zero.checkpoint import read_lightning_checkpoint
+
+    checkpoints = tmp_path / "ckpt"
+    env = {"FT_CKPT_DIR": str(checkpoints), "FT_QUORUM_TIMEOUT": "5"}
+    with FTCluster(tmp_path / "run", groups=2, steps=100_000, step_sleep=0.1, env=env) as ft:
+        ft.start()
+        ft.wait_for(lambda: all(committing(ft, g, 2, 0, 1) for g in range(2)) and ft.step_of(0) >= 12, 240,
+                    "two groups past step 12")
+        assert ft.lighthouse is not None
+        ft.lighthouse.kill()
+        lost_at = time.time()
+        codes = [ft.wait_exit(g, 60) for g in range(2)]
+        stopped_after = time.time() - lost_at
+    assert all(code != 0 for code in codes)
+    assert stopped_after < 30, f"{stopped_after:.0f} s"
+    for group in range(2):
+        assert "no quorum from the torchft lighthouse" in (tmp_path / "run" / f"g{group}.log").read_text()
+    last = read_lightning_checkpoint(str(checkpoints / "last.ckpt"))
+    assert last["global_step"] >= 10
+
+
+def test_a_rank_lost_inside_a_group_is_restarted_by_torchrun_and_heals(tmp_path: Path) -> None:
+    """One rank of group 1 SIGKILLed: its torchrun restarts the group's workers, which heal from group 0 (no
+    storage read) and are then bit-identical to it; group 0 keeps its processes."""
+    with FTCluster(tmp_path, groups=2, steps=100_000, step_sleep=0.15) as ft:
+        ft.start_lighthouse()
+        ft.launch(0)
+        ft.launch(1, max_restarts=1)
+        ft.wait_for(lambda: all(committing(ft, g, 2, 0, 3) for g in range(2)), 240, "two groups committing")
+        pid = next(r["pid"] for r in reversed(ft.reports(1, 1)))
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        ft.wait_for(lambda: committing(ft, 1, 2, killed_at, 5) and committing(ft, 1, 2, killed_at, 5), 240,
+                    "group 1 restarted and committing with group 0")
+    before = {r["pid"] for r in ft.reports(0) if r["t"] < killed_at}
+    assert {r["pid"] for r in ft.reports(0)} == before, "group 0 was restarted"
+    for rank in range(2):
+        back = [r for r in ft.reports(1, rank) if r["t"] > killed_at and r["pid"] != pid]
+        assert back and back[0]["heals"] == 1, "the restarted group did not heal"
+        assert assert_identical_where_shared(ft.reports(0, rank), back) >= 5
