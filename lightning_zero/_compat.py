@@ -243,6 +243,13 @@ def load_loop_counters(trainer: Any, counters: dict[str, Any], in_step: bool) ->
     loop.epoch_progress.load_state_dict(counters["epoch_progress"])
 
 
+def mark_last_batch(trainer: Any, last: bool) -> None:
+    """Whether the training batch in hand ends the epoch: ``fit_loop.epoch_loop.batch_progress.is_last_batch``
+    (Lightning 2.5, 2.6), which the loop sets from its fetcher before ``on_train_batch_start`` and reads after the
+    step to end the epoch (its validation and epoch-end hooks then run)."""
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = last
+
+
 def discard_optimizer_step(trainer: Any) -> None:
     """Inside an optimizer step that will not be applied: neither ``trainer.global_step`` (counted ready
     before the step, completed after it) nor the loggers' step (``_batches_that_stepped``, counted after

@@ -31,8 +31,9 @@ loader's batch size is the user's, and changing it silently would change the opt
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -157,6 +158,76 @@ class ElasticDistributedSampler(DistributedSampler):
         self.start = consumed
 
 
+class ReplicaGroupSampler(ElasticDistributedSampler):
+    """The sampler of a fault-tolerant fit ([Note: every sample once across replica groups]): the epoch's global
+    order (as :class:`ElasticDistributedSampler`'s), consumed by committed steps.
+
+    [Note: every sample once across replica groups] Each step takes the next ``participants x K x batch`` samples
+    of the order, split as ``DistributedSampler`` splits them over ``participants x K`` ranks (this group's place
+    in the quorum, then its rank), where the quorum is the one the batch is fetched under (the last decided
+    step's: [Note: data quorum] in fault_tolerance.py). The batch is drawn when the loop fetches it (the loader's
+    length is known, so Lightning does not read ahead; with workers, the loader does: see the guide). The
+    position moves only when a step commits, so a discarded step's samples are drawn again for the next one,
+    and a group that joins starts at the position its heal carries. The global batch shrinks and grows with
+    the participants. The epoch's last step is padded to a whole global batch with the epoch's first samples
+    (``DistributedSampler`` pads to a multiple of the world size), so that a discarded last step is drawn again
+    like any other; the epoch ends when its order is consumed, which the strategy tells the loop."""
+
+    HUGE = 1 << 40
+    """``len()``: a length, so that Lightning does not fetch a batch ahead, and one the epoch never reaches (the
+    strategy ends the epoch at its last batch, however many steps were discarded or groups came and went)."""
+
+    def __init__(self, dataset: Sized, batch_size: int, split: Callable[[], tuple[int, int]], shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.batch_size = batch_size
+        self._split = split
+        self._pending = 0
+        """Samples of the order taken by batches whose step is not decided yet."""
+        self.last_batch_drawn = False
+        """Whether the batch drawn last ends the epoch if its step commits."""
+        self._order: tuple[int, list[int]] | None = None
+
+    @override
+    def __len__(self) -> int:
+        return self.HUGE
+
+    @override
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._pending = 0
+        super().set_epoch(epoch)
+
+    def commit(self, committed: bool) -> None:
+        """The step of the batches drawn since the last decision: their samples are consumed, or drawn again."""
+        if committed:
+            self.start = min(self.start + self._pending, len(self.dataset))
+        self._pending = 0
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.global_order())
+        return self._order[1]
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            world, rank = self._split()
+            order = self._epoch_order()
+            at = self.start + self._pending
+            rest = len(order) - at
+            if rest <= 0 or (self.drop_last and rest < world * self.batch_size):
+                return
+            block = world * self.batch_size
+            taken = order[at:at + block]
+            if len(taken) < block:
+                taken += (order * math.ceil(block / len(order)))[: block - len(taken)]
+            self._pending += min(block, rest)
+            after = rest - min(block, rest)
+            self.last_batch_drawn = after <= 0 or (self.drop_last and after < block)
+            yield from taken[rank::world]
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -217,7 +288,8 @@ class DataPosition(Callback):
         for index, (sampler, position) in enumerate(zip(samplers, positions)):
             sampler.resume_at(position["epoch"], position["consumed"])
             self._base[index] = position["consumed"]
-        if positions and positions[0]["epoch"] == trainer.current_epoch:  # in the middle of the epoch
+        if positions and positions[0]["epoch"] == trainer.current_epoch and not isinstance(samplers[0],
+                                                                                           ReplicaGroupSampler):
             _renumber_batches(trainer, positions[0]["consumed"] // (_batch_size(_loaders(trainer)[0])
                                                                     * samplers[0].num_replicas))
             _compat.restart_training_iterator(trainer)  # made before this hook, from the epoch's start
@@ -244,6 +316,8 @@ class DataPosition(Callback):
         positions = []
         for sampler, loader, base in zip(_samplers(trainer), _loaders(trainer), self._base):
             consumed = base + self._batches * _batch_size(loader) * sampler.num_replicas
+            if isinstance(sampler, ReplicaGroupSampler):
+                consumed = sampler.start  # moved by committed steps only
             positions.append({"epoch": sampler.epoch, "consumed": min(consumed, len(sampler.dataset)),
                               "dataset_size": len(sampler.dataset), "seed": sampler.seed})
         return {"samplers": positions} if positions else {}
@@ -262,10 +336,12 @@ class DataPosition(Callback):
         return self.resumed_exactly
 
 
-def keep_data_position(trainer: Trainer) -> None:
+def keep_data_position(trainer: Trainer, split: Callable[[], tuple[int, int]] | None = None) -> None:
     """The training loaders' data position kept without the user asking ([Note: the data position by default]):
-    called by the strategy before the callbacks' ``setup``."""
-    _compat.replace_inserted_sampler(trainer, _elastic_in_place_of)
+    called by the strategy before the callbacks' ``setup``. ``split`` (fault tolerance): a
+    :class:`ReplicaGroupSampler` splitting each batch by ``split() -> (ranks, rank)`` instead."""
+    _compat.replace_inserted_sampler(trainer, _elastic_in_place_of if split is None
+                                     else functools.partial(_replica_group_sampler, split))
     if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, DataPosition) for c in trainer.callbacks):
         # First: Lightning runs ModelCheckpoint last, and the batch it saves after must be counted by then.
         trainer.callbacks.insert(0, DataPosition(strict=False))
@@ -275,6 +351,23 @@ def _elastic_in_place_of(loader: DataLoader, sampler: DistributedSampler) -> Ela
     if not isinstance(getattr(loader.batch_sampler, "batch_size", None), int):
         return None  # DataPosition counts samples as batches x batch size: a loader without one keeps Lightning's
     return ElasticDistributedSampler.from_distributed_sampler(sampler)
+
+
+def _replica_group_sampler(split: Callable[[], tuple[int, int]], loader: DataLoader,
+                           sampler: DistributedSampler) -> ReplicaGroupSampler:
+    batch_size = getattr(loader.batch_sampler, "batch_size", None)
+    if not isinstance(batch_size, int):
+        raise ValueError("Fault tolerance splits each global batch by committed steps: give the training DataLoader a"
+                         " batch_size (not a batch_sampler of its own), or a sampler of your own.")
+    ft = ReplicaGroupSampler(sampler.dataset, batch_size, split, shuffle=sampler.shuffle, seed=sampler.seed,  # type: ignore[arg-type]
+                             drop_last=sampler.drop_last)
+    ft.epoch = sampler.epoch
+    return ft
+
+
+def replica_group_samplers(trainer: Trainer) -> list[ReplicaGroupSampler]:
+    """The training loaders' :class:`ReplicaGroupSampler` (fault tolerance), in a fixed order."""
+    return [s for s in _samplers(trainer) if isinstance(s, ReplicaGroupSampler)]
 
 
 def _mismatch(positions: list[dict[str, Any]], samplers: list[ElasticDistributedSampler]) -> str | None:

@@ -48,7 +48,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightning_zero.engine import ZeroEngine
     from lightning_zero.optimizer import ZeroOptimizer
 
 FT_EXTRA = 'pip install "lightning-zero[ft]"'
@@ -222,7 +221,8 @@ class ReplicaGroups:
 
     def load_state(self, state: dict[str, Any]) -> None:
         saved = state["data_quorum"]
-        self.data_quorum = None if saved is None else DataQuorum(*saved)
+        # The source's quorum, without the source's place: this group has none until it takes part in a step.
+        self.data_quorum = None if saved is None else dataclasses.replace(DataQuorum(*saved), place=None)
 
     def before_reduction(self) -> None:
         """The first reduction of a backward: the quorum is known; average over its participants.
@@ -258,11 +258,14 @@ class ReplicaGroups:
         A heal's state is applied in here, before the answer.
 
         [Note: data quorum] The batches of a step are split by the quorum of the step before (the last
-        one known when they were fetched: ``data_quorum``): a step whose own quorum differs (a group
+        one decided when they were fetched: ``data_quorum``): a step whose own quorum differs (a group
         left or joined) is discarded by every group, as its batches were not split among the groups
-        that reduce it. After a discarded step the next quorum is waited for before its batches are
-        fetched, and they are split by it. So a group lost, or one that joins, costs one step, and no
-        sample of a committed step is missed or seen twice."""
+        that reduce it, and the next is split by the new quorum. So no sample of a committed step is
+        missed or seen twice; a group that joins costs the others one step, and a group lost costs the
+        step it was lost in and the next (split for it). The quorum is asked once per step by every
+        group, as torchft's lighthouse expects (an extra request after a discarded step would split the
+        groups into quorums of their own).
+        """
         self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
         with self._quorum_errors():
             healing = not self.manager.is_participating()
@@ -294,14 +297,7 @@ class ReplicaGroups:
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
         self._started_at = None
-        if committed:
-            self.data_quorum = quorum
-        else:
-            # The groups may have changed: the next batches are split by the next quorum, waited for now.
-            self.start_step()
-            with self._quorum_errors():
-                self.manager.wait_quorum()
-                self.data_quorum = self._quorum()
+        self.data_quorum = quorum
         for callback in self._on_commit:
             callback(committed)
         return committed
@@ -372,8 +368,8 @@ class _RescaledWork:
         return True
 
 
-def engine_state(engine: ZeroEngine) -> dict[str, Any]:
-    """This rank's part of the engine's training state, for a heal: the master shards, each optimizer's
+def engine_state(engine: Any) -> dict[str, Any]:
+    """This rank's part of a :class:`~lightning_zero.engine.ZeroEngine`'s training state, for a heal: the master shards, each optimizer's
     state and hyper-parameters (in the engine's order, the same in every group of the same size), and
     the module's buffers. Tensors are the live ones: torchft serves them before they next change."""
     optimizers = []
@@ -390,7 +386,7 @@ def engine_state(engine: ZeroEngine) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_engine_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
     """Put a peer's :func:`engine_state` into this rank's engine (the layout is the same: the same
     module, group size and group rank)."""
     masters = [sp.master for sp in engine.sharded_params.values()]

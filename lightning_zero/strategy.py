@@ -8,7 +8,6 @@ state to the checkpoint plugin.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import math
 import os
@@ -31,7 +30,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import _compat
 from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
@@ -46,8 +44,9 @@ from lightning_zero.checkpoint.lightning.hook_weights import (
 from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
 from lightning_zero.data import keep_data_position
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
+from lightning_zero.fault_tolerance import FaultTolerance
 from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.trainer_fault_tolerance import TrainerReplicaGroups
 
 
 class ZeroLowLevelStrategy(DDPStrategy):
@@ -148,9 +147,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
             raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
         self._fault_tolerance = fault_tolerance
-        self._replica_groups: ReplicaGroups | None = None
-        self._undo_schedulers: list[tuple[Any, dict[str, Any]]] = []  # after a discarded step ([Note: one step across groups])
-        self._undo_hyper: list[dict[str, Any]] | None = None
+        self._replica_groups: TrainerReplicaGroups | None = None  # from fit's setup to its teardown
 
     @override
     def _configure_launcher(self) -> None:
@@ -163,7 +160,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
         super().setup_environment()
         assert self.lightning_module is not None
         # Before the callbacks' setup and the restore of their state: [Note: the data position by default].
-        keep_data_position(self.lightning_module.trainer)
+        # With fault tolerance, batches are split by committed steps across the replica groups.
+        keep_data_position(self.lightning_module.trainer, self._data_split if self._fault_tolerance else None)
+
+    def _data_split(self) -> tuple[int, int]:
+        return self._replica_groups.data_split()  # type: ignore[union-attr]  # batches are fetched after setup
 
     @property
     def fault_tolerance(self) -> FaultTolerance | None:
@@ -232,8 +233,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
                            " shards nothing; the module's weights stay as they are.")
             _sync_module_states(self.model)
         elif fitting:
-            self._replica_groups = self._join_replica_groups(trainer)
-            self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config, replica_groups=self._replica_groups)
+            if self._replica_groups is not None:
+                self._replica_groups.close()
+            self._replica_groups = None if self._fault_tolerance is None else TrainerReplicaGroups(
+                self._fault_tolerance, trainer, self.global_rank, self.world_size, self.root_device)
+            self._engine = ZeroEngine(self.model, self.optimizers, self.zero_config, replica_groups=None
+                                      if self._replica_groups is None else self._replica_groups.groups)
             # Once, now that dtypes are final and no gather is in flight: per save it would wait
             # for the step's overlapped gathers on the training thread (module_meta's docstring).
             self._module_meta = engine_tree.module_meta(self.model)
@@ -245,7 +250,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
                 # After the closure, so staging overlaps training_step and backward (BENCHMARKS.md measures it).
                 optimizer.register_pre_update_hook(self._wait_for_staging)
             if self._replica_groups is not None:
-                self._serve_heals(trainer, self._replica_groups)
+                self._replica_groups.serve(self._engine)
         else:
             self.optimizers = []
             self.lr_scheduler_configs = []
@@ -253,55 +258,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             # Saves coordinate in the background, also after validate/test; the local tier needs the node.
             self.checkpoint_io.set_up(self.num_processes, node_rank=self.node_rank, local_rank=self.local_rank)
-
-    def _join_replica_groups(self, trainer: Trainer) -> ReplicaGroups | None:
-        """This rank's torchft Manager, for ``fault_tolerance`` ([Note: one step across groups])."""
-        if self._fault_tolerance is None:
-            return None
-        if self._replica_groups is not None:
-            self._replica_groups.close()
-        if not trainer.lightning_module.automatic_optimization:
-            raise ValueError("Fault tolerance decides each step in the optimizer step of automatic optimization;"
-                             " with `automatic_optimization = False` turn fault_tolerance off.")
-        return ReplicaGroups(self._fault_tolerance, self.global_rank, self.world_size, self.root_device)
-
-    def _serve_heals(self, trainer: Trainer, groups: ReplicaGroups) -> None:
-        """What a heal transfers ([Note: healing] in fault_tolerance.py), and the commit decision before each
-        update: a discarded step changes no shard and no counter, and its LR schedulers do not step."""
-        engine = self.engine
-
-        def save_trainer() -> dict[str, Any]:
-            return {"loops": _compat.loop_counters(trainer),
-                    "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
-
-        def load_trainer(state: dict[str, Any]) -> None:
-            _compat.load_loop_counters(trainer, state["loops"], in_step=not groups.joining)
-            for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
-                config.scheduler.load_state_dict(saved)
-
-        groups.register_state("engine", lambda: engine_state(engine), lambda state: load_engine_state(engine, state))
-        groups.register_state("trainer", save_trainer, load_trainer)
-        for optimizer in engine.optimizers:
-            optimizer.register_pre_update_hook(functools.partial(self._decide_step, trainer, groups, optimizer))
-
-    def _decide_step(self, trainer: Trainer, groups: ReplicaGroups, optimizer: ZeroOptimizer) -> None:
-        if groups.decide(optimizer):
-            return
-        _compat.discard_optimizer_step(trainer)
-        # The Trainer steps the LR schedulers after this step all the same: undone before the next batch.
-        self._undo_schedulers = [(config.scheduler, config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
-                                 if config.interval == "step"]
-        self._undo_hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-    def _undo_scheduler_steps(self) -> None:
-        """Back to the LR schedulers and hyper-parameters of before a discarded step's scheduler step."""
-        if self._undo_hyper is None:
-            return
-        for scheduler, state in self._undo_schedulers:
-            scheduler.load_state_dict(state)
-        for group, hyper in zip(self.engine.optimizers[0].param_groups, self._undo_hyper, strict=True):
-            group.update(hyper)
-        self._undo_schedulers, self._undo_hyper = [], None
 
     def _wait_for_staging(self) -> None:
         """The staging fence: a save still copying the state finishes before it changes."""
@@ -423,8 +379,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if self._engine is not None and self._engine_live and self._engine.trainable_changed():
             self._engine.rebuild()  # [Note: rebuilding] in engine.py
         if self._replica_groups is not None and self._engine_live:
-            self._undo_scheduler_steps()
-            self._replica_groups.start_step()  # the lighthouse answers while the forward runs
+            self._replica_groups.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -623,6 +578,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self._replica_groups is not None and self._engine_live and not self._replica_groups.writes_checkpoints():
+            return  # the group that writes the checkpoints removes them (ModelCheckpoint's top-k runs in every group)
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 

@@ -61,7 +61,7 @@ class FTCluster:
     """The lighthouse and the groups of one fault-tolerant job."""
 
     def __init__(self, root: Path, *, groups: int, ranks: int = 2, steps: int = 30, step_sleep: float = 0.0,
-                 timeout_s: float = 2.0, min_replicas: int = 1, env: dict[str, str] | None = None) -> None:
+                 timeout_s: float = 5.0, min_replicas: int = 1, env: dict[str, str] | None = None) -> None:
         self.root, self.groups, self.ranks = root, groups, ranks
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()

@@ -367,3 +367,89 @@ def test_not_resumable_warning_is_lightnings_and_left_out_only_while_resumed_exa
     assert len(fit(3, tmp_path / "middle.ckpt")) == 1  # Lightning's own text
     assert len(fit(3, tmp_path / "middle.ckpt", resumed_exactly=False)) == 1
     assert fit(3, tmp_path / "middle.ckpt", resumed_exactly=True) == []
+
+
+# -- fault tolerance: the fit loop's counters (lightning_zero/trainer_fault_tolerance.py) -----------
+
+
+class _StepCounting:
+    """A one-rank fit of a tiny model whose optimizer step runs ``inside_step(trainer)`` before its update."""
+
+    @staticmethod
+    def fit(tmp_path: Path, steps: int, inside_step: Any) -> Any:
+        from lightning.pytorch import LightningModule, Trainer
+        from torch.utils.data import DataLoader
+
+        class Tiny(LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = torch.nn.Linear(2, 1)
+
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                return self.layer(batch).sum()
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+                super().optimizer_step(*args, **kwargs)
+                inside_step(self.trainer)
+
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(Tiny(), DataLoader(torch.randn(64, 2), batch_size=4))
+        return trainer
+
+
+def test_discard_optimizer_step_keeps_global_step_and_the_loggers_step(tmp_path: Path) -> None:
+    """Every other step discarded inside its optimizer step: trainer.global_step and the loggers' step count the
+    others only, and Lightning's ready/completed counters still agree."""
+    seen: list[int] = []
+
+    def inside_step(trainer: Any) -> None:
+        seen.append(trainer.global_step)
+        if len(seen) % 2 == 0:
+            _compat.discard_optimizer_step(trainer)
+
+    trainer = _StepCounting.fit(tmp_path, 3, inside_step)
+    assert trainer.global_step == 3 and len(seen) == 5  # 5 batches for 3 counted steps
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 3
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    assert step.total.ready == step.total.completed == 3
+
+
+def test_loop_counters_read_in_a_step_load_into_another_trainer_in_or_out_of_a_step(tmp_path: Path) -> None:
+    """loop_counters read inside a peer's step (its "ready" is one ahead) and loaded into a trainer inside its own
+    step give that trainer the peer's global step, loggers' step and epoch, with ready == completed after the step."""
+    counters: list[dict[str, Any]] = []
+    _StepCounting.fit(tmp_path / "peer", 7, lambda trainer: counters.append(_compat.loop_counters(trainer)))
+    peer = counters[-1]  # read inside the peer's 7th step: 6 steps completed
+    assert peer["optim_progress"]["optimizer"]["step"]["total"]["completed"] == 6
+
+    def heal_once(trainer: Any) -> None:
+        if trainer.global_step == 0:
+            _compat.load_loop_counters(trainer, peer, in_step=True)
+
+    trainer = _StepCounting.fit(tmp_path / "healed", 9, heal_once)
+    assert trainer.global_step == 9  # 6 carried, then its own three steps (the first of them the healed one)
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    assert step.total.ready == step.total.completed == 9
+    outside = _StepCounting.fit(tmp_path / "outside", 1, lambda trainer: None)
+    _compat.load_loop_counters(outside, peer, in_step=False)
+    assert outside.global_step == 6 and outside.fit_loop.epoch_loop._batches_that_stepped == 6
+
+
+def test_mark_last_batch_ends_the_epoch_after_this_batch(tmp_path: Path) -> None:
+    """is_last_batch set during a step ends the epoch there (16 batches per epoch; marked at the 3rd)."""
+    from lightning.pytorch import Trainer
+
+    epochs: list[int] = []
+
+    def inside_step(trainer: Any) -> None:
+        epochs.append(trainer.current_epoch)
+        if len(epochs) == 3:
+            _compat.mark_last_batch(trainer, True)
+
+    trainer = _StepCounting.fit(tmp_path, 5, inside_step)
+    assert isinstance(trainer, Trainer)
+    assert epochs == [0, 0, 0, 1, 1]

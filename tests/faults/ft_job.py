@@ -35,10 +35,10 @@ class Numbers(Dataset):
     def __len__(self) -> int:
         return 4096
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         g = torch.Generator().manual_seed(index)
         x = torch.randn(8, generator=g)
-        return x, x.sum(0, keepdim=True).tanh()
+        return x, x.sum(0, keepdim=True).tanh(), index
 
 
 class Model(L.LightningModule):
@@ -53,7 +53,7 @@ class Model(L.LightningModule):
         delay = float(os.environ.get("FT_STEP_SLEEP", "0"))
         if delay:
             time.sleep(delay)
-        x, y = batch
+        x, y, _ = batch
         loss = nn.functional.mse_loss(self(x), y)
         self.last_loss = float(loss.detach())
         self.log("step", float(self.trainer.global_step))
@@ -82,6 +82,7 @@ class Report(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Model, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         line = report_line(trainer.strategy, trainer.global_step, pl_module.last_loss,
                            trainer.optimizers[0].param_groups[0]["lr"], trainer.strategy.engine)
+        line.update(epoch=trainer.current_epoch, samples=batch[2].tolist())
         path = self.out / f"g{self.group}_r{trainer.global_rank % self.group_size}.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -115,7 +116,7 @@ def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> No
     epoch = 0
     while step < STEPS:
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for x, y, _ in loader:
             if os.environ.get("FT_STEP_SLEEP"):
                 time.sleep(float(os.environ["FT_STEP_SLEEP"]))
             loss = nn.functional.mse_loss(model(x), y)
@@ -132,8 +133,9 @@ def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> No
     fabric.strategy.teardown()
 
 
-def die_inside_the_cross_group_all_reduce(at_step: int, trainer_of: list) -> None:  # noqa: ANN001
-    """Patch ReplicaGroups.all_reduce: at ``at_step`` rank 0 launches its hop, then kills its whole group."""
+def die_inside_the_cross_group_all_reduce(at_step: int, groups: int, trainer_of: list) -> None:  # noqa: ANN001
+    """Patch ReplicaGroups.all_reduce: in the first step past ``at_step`` that follows a step all ``groups`` took part
+    in, rank 0 launches its first bucket's hop, then kills its whole group (its agent, its workers, itself)."""
     import signal
 
     from lightning_zero.fault_tolerance import ReplicaGroups
@@ -142,7 +144,10 @@ def die_inside_the_cross_group_all_reduce(at_step: int, trainer_of: list) -> Non
 
     def all_reduce(self, tensor):  # noqa: ANN001, ANN202
         work = original(self, tensor)
-        if trainer_of and trainer_of[0].global_step == at_step and trainer_of[0].global_rank == 0:
+        trainer = trainer_of[0]
+        ft = trainer.strategy.fault_tolerance
+        if (trainer.global_step >= at_step and ft.committed and ft.participants == groups
+                and trainer.global_rank == 0):
             agent = os.getppid()
             for entry in os.listdir("/proc"):
                 if entry.isdigit() and int(entry) != os.getpid():
@@ -174,19 +179,16 @@ def main() -> None:
     if hybrid:
         k = world // groups
         strategy = ZeroLowLevelStrategy(stage=2, shard_group_size=k)
-        # Global rank g*K + r: the shard of group rank r in group g, as in the fault-tolerant run.
-        data_rank, data_ranks = rank, world
     else:
         k = world
         ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")),
                             quorum_timeout_s=float(os.environ.get("FT_QUORUM_TIMEOUT", "60")))
         strategy = ZeroLowLevelStrategy(stage=2, fault_tolerance=ft)
-        data_rank, data_ranks = group * k + rank, groups * k
     torch.manual_seed(0)
     model = Model()
-    sampler = torch.utils.data.DistributedSampler(Numbers(), num_replicas=data_ranks, rank=data_rank,
-                                                  shuffle=True, seed=1)
-    loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler)
+    # Lightning's own sampler (shuffled), which the strategy replaces: one ElasticDistributedSampler over the
+    # hybrid job's ranks, or across the groups by committed steps (ReplicaGroupSampler) with fault tolerance.
+    loader = DataLoader(Numbers(), batch_size=BATCH, shuffle=True)
     callbacks: list = [Report(out, group if not hybrid else rank // k, k)]
     plugins = []
     if os.environ.get("FT_CKPT_DIR"):
@@ -199,10 +201,10 @@ def main() -> None:
         plugins.append(ZeroCheckpointIO(mode="sharded"))
     trainer = L.Trainer(accelerator="cpu", devices=world, plugins=plugins,
                         strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=bool(plugins),
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
     if os.environ.get("FT_DIE_IN_ALLREDUCE_AT"):
-        die_inside_the_cross_group_all_reduce(int(os.environ["FT_DIE_IN_ALLREDUCE_AT"]), [trainer])
+        die_inside_the_cross_group_all_reduce(int(os.environ["FT_DIE_IN_ALLREDUCE_AT"]), groups, [trainer])
     trainer.fit(model, loader)
 
 
