@@ -25,6 +25,9 @@ CUDA-only ones print ``SKIP``; ``tests/bench/test_gpu_check.py`` runs it that wa
 7. (CUDA) a training step with an async save in flight is at most 1.15x a step without.
 8. (CUDA) a plain ``TorchCheckpointIO`` under ZeroLowLevelStrategy on NCCL: the gather to rank 0
    runs on the training group with CUDA tensors and one ordinary file comes out.
+9. (torchft installed) fault tolerance, one replica group of one rank with a lighthouse started here: the
+   cross-group hop runs on torchft's NCCL process group on a GPU (its gloo group on CPU), with the buckets'
+   tensors on the device, and 3 committed AdamW steps equal the same steps without fault tolerance, bit for bit.
 """
 
 from __future__ import annotations
@@ -410,6 +413,67 @@ def check_nccl_plain_checkpoint_io() -> str:
     return "TorchCheckpointIO wrote one full file (weights and per-parameter optimizer state)"
 
 
+def check_fault_tolerance() -> str:
+    import subprocess
+
+    from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups
+
+    lighthouse = Path(sys.executable).with_name("torchft_lighthouse")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "skipped: torchft is not installed (pip install \"lightning-zero[ft]\")"
+    if not lighthouse.exists():
+        return f"skipped: no {lighthouse.name} beside {sys.executable}"
+    backend = "nccl" if cuda() else "gloo"
+    init_one_rank(backend)
+    port = free_port()
+    server = subprocess.Popen([str(lighthouse), "--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
+                               "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "100"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hops: list[str] = []
+    try:
+        torch.manual_seed(0)
+        model = small_model(torch.float32)
+        groups = ReplicaGroups(FaultTolerance(0, lighthouse=f"http://127.0.0.1:{port}", timeout_s=30), 0, 1, device())
+        original = groups.all_reduce
+
+        def all_reduce(tensor: Tensor) -> object:
+            hops.append(f"{tensor.device.type}/{groups.manager._pg.getBackendName()}")
+            return original(tensor)
+
+        groups.all_reduce = all_reduce  # type: ignore[method-assign]
+        engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-2)],
+                            ZeroConfig(stage=2, bucket_size_mb=0.05), replica_groups=groups)
+        opt = engine.optimizers[0]
+        opt.register_pre_update_hook(lambda: groups.decide(opt))
+        groups.join()
+        committed = 0
+        for step in range(3):
+            model(*tokens(step)).float().backward()
+            engine.ensure_flushed()
+            opt.step()
+            opt.zero_grad()
+            committed += groups.config.committed
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.close()
+        groups.close()
+        torch.manual_seed(0)
+        plain = zero_run(torch.float32, steps=3)
+    finally:
+        server.kill()
+        dist.destroy_process_group()
+    if committed != 3:
+        raise CheckFailed(f"{committed} of 3 steps committed")
+    expected = f"{device().type}/torchft-{backend}"
+    if not hops or set(hops) != {expected}:
+        raise CheckFailed(f"cross-group hops ran as {sorted(set(hops))}, expected {expected}")
+    differ = [n for n in plain if not torch.equal(params[n], plain[n])]
+    if differ:
+        raise CheckFailed(f"{len(differ)}/{len(plain)} tensors differ from the run without fault tolerance")
+    return f"{len(hops)} hops on {expected}, 3 steps committed, bit-identical to the run without fault tolerance"
+
+
 CHECKS: list[tuple[str, bool, Callable[[], str]]] = [
     ("zero2 equals plain PyTorch at world size 1 (fp32, bf16-true)", False, check_equivalence),
     ("no host sync in forward/backward, one in the step", True, check_no_host_sync),
@@ -420,6 +484,8 @@ CHECKS: list[tuple[str, bool, Callable[[], str]]] = [
     ("checkpoint staging: pinned, reused host buffers on a side stream", True, check_staging_pinned),
     ("a training step with an async save in flight <= 1.15x a step without", True, check_step_with_save_in_flight),
     ("plain TorchCheckpointIO under ZeroLowLevelStrategy on NCCL", True, check_nccl_plain_checkpoint_io),
+    ("fault tolerance: the cross-group hop on torchft's NCCL group, equal to no fault tolerance", False,
+     check_fault_tolerance),
 ]
 TODO: list[str] = []
 
