@@ -123,12 +123,16 @@ def import_torchft() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class DataQuorum:
-    """A quorum as the data split sees it: its id (the lighthouse bumps it when the groups change), this
-    group's place in it (None: not taking part) and the number of groups taking part."""
+    """A quorum as the data split sees it: this group's place in it (None: not taking part: a group that
+    heals contributes nothing) and the number of groups taking part."""
 
-    quorum_id: int
     place: int | None
     participants: int
+
+    def splits_like(self, other: DataQuorum) -> bool:
+        """Whether batches split by ``other`` are this quorum's split: the same groups, this one in the same place
+        (the lighthouse's quorum id is no test: torchft bumps it after any discarded step)."""
+        return (self.place, self.participants) == (other.place, other.participants)
 
 
 class ReplicaGroups:
@@ -257,21 +261,21 @@ class ReplicaGroups:
         """Whether this step's update may be applied (the same answer on every rank of the group).
         A heal's state is applied in here, before the answer.
 
-        [Note: data quorum] The batches of a step are split by the quorum of the step before (the last
-        one decided when they were fetched: ``data_quorum``): a step whose own quorum differs (a group
-        left or joined) is discarded by every group, as its batches were not split among the groups
-        that reduce it, and the next is split by the new quorum. So no sample of a committed step is
-        missed or seen twice; a group that joins costs the others one step, and a group lost costs the
-        step it was lost in and the next (split for it). The quorum is asked once per step by every
-        group, as torchft's lighthouse expects (an extra request after a discarded step would split the
-        groups into quorums of their own).
+        [Note: data quorum] The batches of a step are split by the quorum they were fetched under
+        (``data_quorum``): the last committed step's, or after a discarded step the next step's, asked for
+        and waited for before its batches are fetched. A step whose own quorum splits otherwise (a group
+        joined: the groups or this group's place differ) is discarded by every group that sees it, and the
+        next is split by the new quorum. So no sample of a committed step is missed or seen twice, a group
+        lost costs the step it was lost in, and a group that joins costs one step. Every group asks for
+        one quorum per step, as torchft's lighthouse expects. (torchft's quorum id is no test of a change:
+        it is bumped after any discarded step.)
         """
         self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
         with self._quorum_errors():
             healing = not self.manager.is_participating()
             participants = self.manager.num_participants()
             quorum = self._quorum()
-        if self.data_quorum is not None and quorum.quorum_id != self.data_quorum.quorum_id:
+        if self.data_quorum is not None and not quorum.splits_like(self.data_quorum):
             self.manager.report_error(RuntimeError(
                 f"the quorum changed ({self.data_quorum.participants} -> {participants} groups): this step's"
                 " batches were split among other groups"))
@@ -297,7 +301,15 @@ class ReplicaGroups:
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
         self._started_at = None
-        self.data_quorum = quorum
+        if committed:
+            self.data_quorum = quorum
+        else:
+            # The groups may have changed (a group lost fails the step): the next batches are split by the next
+            # quorum, asked for now, once, as at the start of any step (the next step does not ask again).
+            self.start_step()
+            with self._quorum_errors():
+                self.manager.wait_quorum()
+                self.data_quorum = self._quorum()
         for callback in self._on_commit:
             callback(committed)
         return committed
@@ -319,8 +331,7 @@ class ReplicaGroups:
         return self.data_quorum is None or self.data_quorum.place == 0
 
     def _quorum(self) -> DataQuorum:
-        return DataQuorum(_torchft_quorum_id(self.manager), self.manager.participating_rank(),
-                          max(self.manager.num_participants(), 1))
+        return DataQuorum(self.manager.participating_rank(), max(self.manager.num_participants(), 1))
 
     @contextlib.contextmanager
     def _quorum_errors(self) -> Iterator[None]:
@@ -336,12 +347,6 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def _torchft_quorum_id(manager: Any) -> int:
-    """The id of the quorum last waited for (``Manager._quorum_id``, torchft 2026.10): the lighthouse bumps
-    it whenever the participating groups change."""
-    return int(manager._quorum_id)
 
 
 def _torchft_heal_pending(manager: Any) -> bool:

@@ -82,7 +82,9 @@ class Report(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Model, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         line = report_line(trainer.strategy, trainer.global_step, pl_module.last_loss,
                            trainer.optimizers[0].param_groups[0]["lr"], trainer.strategy.engine)
-        line.update(epoch=trainer.current_epoch, samples=batch[2].tolist())
+        ft = trainer.strategy._replica_groups  # the step's place across the groups (None: it contributed nothing)
+        place = ft.groups.data_quorum.place if ft is not None else None
+        line.update(epoch=trainer.current_epoch, samples=batch[2].tolist(), place=place)
         path = self.out / f"g{self.group}_r{trainer.global_rank % self.group_size}.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
