@@ -45,11 +45,8 @@ def loaded_value(url: str, storage_options: dict[str, Any], numel: int = 1000) -
 
 def through(proxy_url: str, s3: S3, **config: Any) -> dict[str, Any]:
     # 5 MiB blocks (S3's smallest part): BIG goes up as a multipart upload of 3 parts.
-    options = {**s3.storage_options, "endpoint_url": proxy_url, "skip_instance_cache": True,
-               "default_block_size": 5 * 2**20}
-    if config:
-        options["config_kwargs"] = config
-    return options
+    return s3.options(proxy_url, skip_instance_cache=True, default_block_size=5 * 2**20,
+                      **({"config_kwargs": config} if config else {}))
 
 
 @pytest.mark.parametrize("mode", MODES)
