@@ -65,6 +65,9 @@ class Store:
 
     name: ClassVar[str] = "store"
     """What users call it (``"local"``, ``"s3fs"``, ``"s3torchconnector"``): in messages and the bench."""
+    machine_files: ClassVar[bool] = False
+    """Whether its paths are files of this machine's file system (a local disk, ``/dev/shm``, an NFS mount), which
+    the local tier's direct file reads, writes and replication need."""
 
     # -- paths ------------------------------------------------------------------------------------
 

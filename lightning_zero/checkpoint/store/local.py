@@ -37,6 +37,7 @@ class LocalStore(Store):
     """Plain paths and ``file://`` URLs."""
 
     name = "local"
+    machine_files = True
 
     def __init__(self) -> None:
         self._fs = LocalFileSystem()
