@@ -187,7 +187,7 @@ STORE_KIND = {
     "a client library": r"\b(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\b",
     "a class name compared": r"type\([^)]*\)\.__name__\s*(==|!=|in\b)",
     "the fsspec file system of a location": r"(?<!self)\.fs\b",
-    "a URL scheme": r"""["'](s3a?|gs|gcs|az|abfs|file|memory)://["']|startswith\(\(?["'](s3|gs|file)""",
+    "a URL scheme": r"""["'](s3a?|gs|gcs|az|abfs|file|memory)://["']|startswith\(\(?["'](s3a?|gs|file)://""",
     "an error's text": r"AccessDenied|Forbidden|NoSuchBucket|NoSuchKey|EndpointConnectionError",
 }
 """What branching on the kind of store looks like in code (comments and docstrings left out): only ``store/``
@@ -209,15 +209,18 @@ def _code_only(path: Path) -> str:
                 if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(
                         statement.value.value, str):
                     docstrings.add((statement.lineno, statement.col_offset))
-    out = []
+    lines = source.splitlines(keepends=True)
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            continue
-        if token.type == tokenize.STRING and (token.start in docstrings or token.string.startswith(('"""', "'''"))):
-            out.append('""')
-            continue
-        out.append(token.string)
-    return " ".join(out)
+        prose = token.type == tokenize.COMMENT or (token.type == tokenize.STRING and (
+            token.start in docstrings or token.string.startswith(('"""', "'''"))))
+        if prose:  # blanked in place, so that the code around it keeps its exact text
+            (first, start), (last, end) = token.start, token.end
+            for row in range(first, last + 1):
+                line = lines[row - 1]
+                left = start if row == first else 0
+                right = end if row == last else len(line.rstrip("\n"))
+                lines[row - 1] = line[:left] + " " * (right - left) + line[right:]
+    return "".join(lines)
 
 
 def _store_kind_branches(name: str, code: str) -> list[str]:
