@@ -118,10 +118,10 @@ class Store:
         return None
 
     def write_file(self, path: str, write: Callable[[IO[bytes]], None], tuning: CheckpointTuning = DEFAULT_TUNING,
-                   *, whole: bool = False, progress: Callable[[int], None] | None = None,
+                   *, progress: Callable[[int], None] | None = None,
                    recycle: Callable[[str], bool] | None = None) -> None:
-        """``write(stream)`` into ``path``, streamed (no second copy of the bytes in memory). ``whole``: the
-        file appears whole or not at all. ``progress`` and ``recycle`` are hints a local disk uses
+        """``write(stream)`` into ``path``, streamed (no second copy of the bytes in memory); durable once it
+        returns. ``progress`` and ``recycle`` are hints a local disk uses
         (:func:`~lightning_zero.checkpoint.store.file_io.write_file`); object stores ignore them."""
         stream = self.open_write(path)
         try:
@@ -130,6 +130,12 @@ class Store:
             self.abort(stream)
             raise
         stream.close()
+
+    def write_whole(self, path: str, write_at: Callable[[str], None]) -> None:
+        """``path`` appears whole or not at all: ``write_at(name)`` writes the file at a name the store picks
+        (a temporary one renamed on a local disk; ``path`` itself on an object store, where an upload is complete
+        or absent)."""
+        write_at(path)
 
     def publish(self, path: str, payload: bytes) -> None:
         """(coordinator) ``path`` holds ``payload``, replaced atomically: readers see the old or the new bytes,

@@ -48,17 +48,20 @@ def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning =
     is). Object stores: one multipart upload that completes at close; a partial upload left by a failure is
     never referenced (the marker is written last). ``progress`` and ``recycle``: see :func:`write_file`.
     """
-    loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream), tuning, whole=whole,
-                         progress=progress, recycle=recycle)
+    if whole:
+        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning))
+        return
+    write_file(loc, path, obj, tuning, progress, recycle)
 
 
 def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
                progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None) -> None:
-    """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`). Local disks:
-    ``progress`` is told how far the bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.
-    WritebackStream`); ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after
-    ([Note: spare tier files] in tier_spares.py)."""
-    torch_save_to(loc, path, obj, tuning, progress=progress, recycle=recycle)
+    """``torch.save(obj)`` into ``path`` through the store's ``Store.write_file``: every checkpoint file this
+    package writes with ``torch.save`` passes here. Local disks: ``progress`` is told how far the bytes are in
+    the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`); ``recycle(path)`` may put an
+    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tier_spares.py)."""
+    loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream), tuning, progress=progress,
+                         recycle=recycle)
 
 
 class _WriteErrorKeeper:

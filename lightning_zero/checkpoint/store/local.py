@@ -81,16 +81,13 @@ class LocalStore(Store):
         return path
 
     def write_file(self, path: str, write: Callable[[IO[bytes]], None], tuning: CheckpointTuning = DEFAULT_TUNING,
-                   *, whole: bool = False, progress: Callable[[int], None] | None = None,
+                   *, progress: Callable[[int], None] | None = None,
                    recycle: Callable[[str], bool] | None = None) -> None:
-        """One file, fsynced; ``whole``: under a temporary name, then renamed. ``progress`` is told how far the
+        """One file, fsynced. ``progress`` is told how far the
         bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`);
         ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after ([Note: spare tier
         files] in tier_spares.py)."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if whole:
-            replace_whole(path, lambda tmp: self.write_file(tmp, write, tuning))
-            return
         over = recycle is not None and recycle(path)
         with open(path, "r+b" if over else "wb") as f:
             stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind,  # [Note: early writeback]
@@ -100,6 +97,10 @@ class LocalStore(Store):
                 f.truncate()
             f.flush()
             os.fsync(f.fileno())
+
+    def write_whole(self, path: str, write_at: Callable[[str], None]) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        replace_whole(path, write_at)
 
     def publish(self, path: str, payload: bytes) -> None:
         def write(tmp: str) -> None:
