@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/save_phases.py
 	$(PY) bench/write_loop.py
 	$(PY) bench/recovery.py
+	$(PY) bench/s3_clients.py
 
 # DeepSpeed ZeRO-1/2 as rows of bench/engine.py, on its CPU accelerator with no prebuilt ops. Installed
 # into a folder of its own (not the venv, not the test extras), with the few pure-Python packages it
