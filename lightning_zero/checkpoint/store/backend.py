@@ -89,9 +89,10 @@ class Store:
     def isdir(self, path: str) -> bool:
         raise NotImplementedError
 
-    def ls(self, path: str) -> list[dict[str, Any]]:
-        """The entries of directory (prefix) ``path``: ``{"name", "type": "file"|"directory", "mtime",
-        "islink"}``, ``name`` without the protocol. Raises ``FileNotFoundError`` when it holds nothing."""
+    def ls(self, path: str, detail: bool = False) -> list[Any]:
+        """The entries of directory (prefix) ``path``, as fsspec's ``ls`` gives them: their names (without the
+        protocol), or with ``detail`` dicts with ``name``, ``type`` (``"file"``/``"directory"``), ``mtime`` or
+        ``LastModified`` and, on local disks, ``islink``. Raises ``FileNotFoundError`` when it holds nothing."""
         raise NotImplementedError
 
     def rm(self, path: str, recursive: bool = False) -> None:

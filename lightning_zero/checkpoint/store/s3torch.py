@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 from lightning_zero.checkpoint.store.backend import Failure, Store
-from lightning_zero.checkpoint.store.tuning import CheckpointTuning
+from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 EXTRA = 'pip install "lightning-zero[s3torchconnector]"'
 MAX_ATTEMPTS = 3
@@ -37,6 +37,14 @@ _UNREACHABLE = ("CRT error", "socket", "timed out", "Timeout", "connection", "Co
 
 _stores: dict[tuple[Any, ...], S3TorchConnectorStore] = {}
 _stores_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _stores_lock
+    _stores_lock = threading.Lock()  # a fork while another thread held it would leave it held forever
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)  # the clients themselves reconnect per process
 
 
 def _import() -> Any:
@@ -222,7 +230,9 @@ class S3TorchConnectorStore(Store):
         if hasattr(stream, "_closed"):
             stream._closed = True
 
-    def write_file(self, path: str, write: Callable[[IO[bytes]], None], tuning: Any = None, **hints: Any) -> None:
+    def write_file(self, path: str, write: Callable[[IO[bytes]], None], tuning: CheckpointTuning = DEFAULT_TUNING,
+                   *, progress: Callable[[int], None] | None = None,
+                   recycle: Callable[[str], bool] | None = None) -> None:
         stream = self.open_write(path)
         try:
             write(stream)
