@@ -155,7 +155,8 @@ give up after ``max_attempts``; s3fs makes at most ``S3_CALL_ATTEMPTS`` attempts
 timed out (its default: 5). A dead endpoint then fails a call within about S3_CALL_ATTEMPTS *
 max_attempts * read_timeout (3 minutes) in the worst case (frozen), within seconds when the connection
 is refused; a failed ``sharded`` save makes about two such calls (DCP deletes its partial file).
-The s3torchconnector store bounds its client the same way (``s3torch.py``)."""
+The s3torchconnector store bounds its client's attempts (``MAX_ATTEMPTS``); it has no timeout option, so a frozen
+endpoint costs it about ``FROZEN_ATTEMPT_S`` per attempt (``s3torch.py``)."""
 
 S3_CALL_ATTEMPTS = 2
 

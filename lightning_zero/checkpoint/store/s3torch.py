@@ -28,6 +28,11 @@ from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTun
 
 EXTRA = 'pip install "lightning-zero[s3torchconnector]"'
 MAX_ATTEMPTS = 3
+FROZEN_ATTEMPT_S = 47
+"""About how long one attempt of the CRT client waits on an endpoint that accepted the connection and stopped
+answering (measured against a proxy that freezes mid-upload): s3torchconnector 1.5.0 has no timeout option, so a
+call to a frozen endpoint fails after about ``max_attempts * FROZEN_ATTEMPT_S`` seconds (2.5 minutes with the
+default 3 attempts, as s3fs's bound in [Note: bounded S3 failures]); a refused connection fails at once."""
 
 _OPTIONS = {"endpoint_url", "region", "profile", "anon", "force_path_style", "part_size", "throughput_target_gbps",
             "max_attempts", "client_kwargs"}
