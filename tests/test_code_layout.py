@@ -184,7 +184,8 @@ def test_the_layer_check_finds_an_import_against_the_order() -> None:
 STORE_KIND = {
     "is_local": r"\.is_local\b",
     "a file system class": r"\b(LocalFileSystem|S3FileSystem|AbstractFileSystem)\b",
-    "a client library": r"\b(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\b",
+    "a client library": r"\b(import|from)\s+(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\b"
+                        r"|\b(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\.\w",
     "a class name compared": r"type\([^)]*\)\.__name__\s*(==|!=|in\b)",
     "the fsspec file system of a location": r"(?<!self)\.fs\b",
     "a URL scheme": r"""["'](s3a?|gs|gcs|az|abfs|file|memory)://["']|startswith\(\(?["'](s3a?|gs|file)://""",
@@ -241,7 +242,7 @@ def test_no_module_outside_store_branches_on_the_kind_of_store() -> None:
 @pytest.mark.parametrize("line", [
     "if loc.is_local:", "isinstance(loc.fs, LocalFileSystem)", 'type(fs).__name__ == "S3FileSystem"',
     "names = loc.fs.ls(loc.path)", 'if url.startswith(("s3://", "s3a://")):', '"NoSuchBucket" in text',
-    "import botocore",
+    "import botocore", "fs = fsspec.filesystem('s3')",
 ])
 def test_the_store_check_finds_a_branch_on_the_kind_of_store(line: str) -> None:
     assert _store_kind_branches("lightning_zero.checkpoint.saver", line)
