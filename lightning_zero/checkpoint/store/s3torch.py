@@ -101,6 +101,9 @@ def _split(path: str) -> tuple[str, str]:
 
 
 class S3TorchConnectorStore(Store):
+    """``s3://`` through one s3torchconnector ``S3Client`` (module docstring). A whole object is one upload (complete
+    at ``close()``, dropped unfinished by :meth:`abort`), so the marker needs no rename; a link is a server-side copy."""
+
     name = "s3torchconnector"
 
     def __init__(self, region: str, endpoint: str | None, config: dict[str, Any]) -> None:
