@@ -5,6 +5,7 @@ the newest complete siblings of a name (the fallback of a damaged ``last*``). Bu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -123,10 +124,14 @@ def newest_siblings(loc: Location) -> list[str]:
     files = [e for e in entries if e.get("type") == "file" and e["name"].rstrip("/") != loc.path.rstrip("/")
              and ".tmp-" not in e["name"]]
 
-    def modified(entry: dict[str, Any]) -> float:
+    def newer(entry: dict[str, Any]) -> tuple[float, list[tuple[int, str]]]:
         stamp = entry.get("mtime") or entry.get("LastModified") or entry.get("created") or 0
-        return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+        seconds = stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+        # Object stores keep whole seconds: saves within one second go by the numbers in their names (step=10
+        # after step=9).
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        return seconds, [(int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name)]
 
-    files.sort(key=modified, reverse=True)
+    files.sort(key=newer, reverse=True)
     protocol = loc.url.split("://", 1)[0] + "://" if "://" in loc.url else ""
     return [protocol + e["name"] if protocol and not e["name"].startswith(protocol) else e["name"] for e in files]

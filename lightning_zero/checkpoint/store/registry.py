@@ -38,12 +38,14 @@ def resolve_store(url: str | os.PathLike[str], storage_options: dict[str, Any] |
     options = dict(storage_options or {})
     client = options.pop(CLIENT_OPTION, None)
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    clients = sorted(str(name) for known, name in BACKENDS if known == scheme and name is not None)
+    if not clients:  # a client names how to reach one kind of store: a plugin's options serve its local paths too
+        client = None
     opener = BACKENDS.get((scheme, client))
     if opener is None:
-        clients = sorted(str(name) for known, name in BACKENDS if known == scheme and name is not None)
         if client is not None:
             raise ValueError(f"storage_options[{CLIENT_OPTION!r}]={client!r} is not a client for {scheme}:// paths"
-                             f" ({', '.join(repr(c) for c in clients) or 'this scheme has no choice of client'}).")
+                             f" ({', '.join(repr(c) for c in clients)}).")
         opener = FsspecStore
     store, path = opener.open(url, options)
     return store, path, url

@@ -45,6 +45,14 @@ def test_an_unknown_client_names_the_ones_there_are() -> None:
         storage.resolve("s3://bucket/x", {"client": "boto"})
 
 
+def test_a_client_choice_leaves_paths_of_other_schemes_to_their_own_store(tmp_path: Any) -> None:
+    # A plugin's storage_options serve every path it is handed, local ones (a tier, a copy) included.
+    from lightning_zero.checkpoint.store.local import LocalStore
+
+    loc = storage.resolve(str(tmp_path / "last.ckpt"), {**CLIENT, "endpoint_url": "http://127.0.0.1:9"})
+    assert isinstance(loc.store, LocalStore) and loc.path == str(tmp_path / "last.ckpt")
+
+
 def test_without_the_extra_the_error_names_it(fresh_clients: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "s3torchconnector", None)  # import fails as if not installed
     with pytest.raises(ImportError, match=r'pip install "lightning-zero\[s3torchconnector\]"'):
@@ -151,3 +159,20 @@ def test_a_tiered_run_persists_to_s3_and_resumes_last_from_it(s3: S3, tmp_path: 
     assert load_figures.tier == "durable" and "step=3" in load_figures.path
     for (name, value), (_, other) in zip(module.net.named_parameters(), resumed.net.named_parameters()):
         assert torch.equal(value, other), name
+
+
+def test_the_newest_siblings_of_saves_within_one_second_go_by_the_numbers_in_their_names() -> None:
+    # S3's LastModified has whole seconds: three saves in one second are ordered by step, 10 after 9.
+    from lightning_zero.checkpoint.store import cleanup
+
+    class Listing:
+        def ls(self, path: str, detail: bool = False) -> list[dict[str, Any]]:
+            names = ["epoch=0-step=9.ckpt", "epoch=0-step=10.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
+            return [{"name": f"bucket/run/{name}", "type": "file", "mtime": 100} for name in names]
+
+        def url(self, path: str) -> str:
+            return f"s3://{path}"
+
+    loc = storage.Location(Listing(), "bucket/run/last.ckpt", "s3://bucket/run/last.ckpt")  # type: ignore[arg-type]
+    assert cleanup.newest_siblings(loc) == ["s3://bucket/run/epoch=0-step=10.ckpt", "s3://bucket/run/epoch=0-step=9.ckpt",
+                                            "s3://bucket/run/epoch=0-step=2.ckpt"]
