@@ -47,6 +47,7 @@ bench: install
 	$(PY) bench/write_loop.py
 	$(PY) bench/recovery.py
 	$(PY) bench/fault_tolerance.py
+	$(PY) bench/s3_clients.py
 
 # DeepSpeed ZeRO-1/2 as rows of bench/engine.py, on its CPU accelerator with no prebuilt ops. Installed
 # into a folder of its own (not the venv, not the test extras), with the few pure-Python packages it

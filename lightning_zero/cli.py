@@ -121,9 +121,15 @@ def convert_main(args: list[str]) -> int:
     parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
                         help="read the checkpoint's non-tensor state as torch.load(weights_only=True) does"
                         " (the default); --no-weights-only unpickles any object it holds: only for a file you trust")
+    parser.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                        help="a storage option for SRC and DST, as ZeroCheckpointIO(storage_options=...) takes them;"
+                        " repeat for more (client=s3torchconnector, endpoint_url=..., profile=...). Credentials are"
+                        " best left to the environment or a profile")
     options = parser.parse_args(args)
     try:
+        storage_options = _storage_options(options.storage_options)
         written = convert(options.src, options.dst, to=options.to, max_shard_size=options.max_shard_size,
+                          storage_options=storage_options,
                           weights_only=options.weights_only, source=options.source, optimizer=options.optimizer,
                           world_size=options.world_size, stage=options.stage)
     except (CheckpointNotFoundError, CheckpointCorruptError, ValueError, ImportError, FileExistsError) as exc:
@@ -133,6 +139,19 @@ def convert_main(args: list[str]) -> int:
         return 1
     print(f"wrote {written}")
     return 0
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
+    """``["client=s3torchconnector", "anon=true"]`` as a dict; values read as YAML scalars (``true``, ``5``)."""
+    import yaml
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option {pair!r}: give KEY=VALUE, e.g. --storage-option client=s3torchconnector")
+        options[key] = yaml.safe_load(value) if value else ""
+    return options or None
 
 
 def main(args: list[str] | None = None) -> int:

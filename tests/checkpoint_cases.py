@@ -153,13 +153,14 @@ def round_trip(rank: int, world_size: int, root: str, modes: tuple[str, ...] = M
 
 
 def save_and_gather(rank: int, world_size: int, root: str, modes: tuple[str, ...] = ("sharded", "full"),
-                    steps: int = 3) -> dict[str, Any]:
+                    steps: int = 3, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps at this world size, save ``<root>/<mode>.ckpt`` in each mode, and
     return the full state that was saved."""
     model, engine = build(rank, world_size)
     train(model, engine, range(steps), rank, world_size)
     for mode in modes:
-        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode)
+        save(engine_tree.zero_state_dict(engine, model), f"{root}/{mode}.ckpt", mode=mode,
+             storage_options=storage_options)
     full = gather_full_state(engine)
     engine.close()
     return full

@@ -102,13 +102,16 @@ def one_rank(single_rank_group: None, saves_finalized: None) -> None:
     it, while the group is still there."""
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[Any]:
+@pytest.fixture(scope="module", params=["s3fs", "s3torchconnector"])
+def s3(request: pytest.FixtureRequest) -> Iterator[Any]:
     """moto on 127.0.0.1 with one bucket (tests/s3_server.py), AWS_* (endpoint included) set for the module's
-    runs; moto is imported by the modules that ask for it only."""
+    runs, reached through each S3 client in turn (``s3.storage_options`` chooses it); moto is imported by the
+    modules that ask for it only."""
     from s3_server import moto_s3
 
-    with moto_s3() as server:
+    if request.param == "s3torchconnector":
+        pytest.importorskip("s3torchconnector", reason='the s3torchconnector extra is not installed')
+    with moto_s3(client=request.param) as server:
         yield server
 
 

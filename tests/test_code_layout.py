@@ -179,3 +179,84 @@ def test_the_layer_check_finds_an_import_against_the_order() -> None:
              "lightning_zero.checkpoint.tiered.tiers": {"lightning_zero.checkpoint.store.storage"}}
     assert _layer_breaks(edges) == [
         "lightning_zero.checkpoint.store.storage (store) imports lightning_zero.checkpoint.tiered.tiers (tiered)"]
+
+
+STORE_KIND = {
+    "is_local": r"\.is_local\b",
+    "a file system class": r"\b(LocalFileSystem|S3FileSystem|AbstractFileSystem)\b",
+    "a client library": r"\b(import|from)\s+(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\b"
+                        r"|\b(fsspec|s3fs|botocore|aiobotocore|s3torchconnector|boto3)\.\w",
+    "a class name compared": r"type\([^)]*\)\.__name__\s*(==|!=|in\b)",
+    "the fsspec file system of a location": r"(?<!self)\.fs\b",
+    "a URL scheme": r"""["'](s3a?|gs|gcs|az|abfs|file|memory)://["']|startswith\(\(?["'](s3a?|gs|file)://""",
+    "an error's text": r"AccessDenied|Forbidden|NoSuchBucket|NoSuchKey|EndpointConnectionError",
+}
+"""What branching on the kind of store looks like in code (comments and docstrings left out): only ``store/``
+may do it ([Note: storage seam] in store/backend.py). ``_compat`` names DCP's fsspec classes for the store."""
+
+STORE_KIND_ALLOWED = ("lightning_zero.checkpoint.store", "lightning_zero._compat")
+
+
+def _code_only(path: Path) -> str:
+    """The module's source with comments and docstrings blanked, so that prose may name stores."""
+    import io
+    import tokenize
+
+    source = path.read_text()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            for statement in node.body:
+                if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(
+                        statement.value.value, str):
+                    docstrings.add((statement.lineno, statement.col_offset))
+    lines = source.splitlines(keepends=True)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        prose = token.type == tokenize.COMMENT or (token.type == tokenize.STRING and (
+            token.start in docstrings or token.string.startswith(('"""', "'''"))))
+        if prose:  # blanked in place, so that the code around it keeps its exact text
+            (first, start), (last, end) = token.start, token.end
+            for row in range(first, last + 1):
+                line = lines[row - 1]
+                left = start if row == first else 0
+                right = end if row == last else len(line.rstrip("\n"))
+                lines[row - 1] = line[:left] + " " * (right - left) + line[right:]
+    return "".join(lines)
+
+
+def _store_kind_branches(name: str, code: str) -> list[str]:
+    import re
+
+    if name.startswith(STORE_KIND_ALLOWED):
+        return []
+    return [f"{name}: {what} ({found.group(0)!r})" for what, pattern in STORE_KIND.items()
+            for found in re.finditer(pattern, code)]
+
+
+def test_no_module_outside_store_branches_on_the_kind_of_store() -> None:
+    found = [branch for name, path in sorted(_modules().items())
+             for branch in _store_kind_branches(name, _code_only(path))]
+    assert found == []
+
+
+@pytest.mark.parametrize("line", [
+    "if loc.is_local:", "isinstance(loc.fs, LocalFileSystem)", 'type(fs).__name__ == "S3FileSystem"',
+    "names = loc.fs.ls(loc.path)", 'if url.startswith(("s3://", "s3a://")):', '"NoSuchBucket" in text',
+    "import botocore", "fs = fsspec.filesystem('s3')",
+])
+def test_the_store_check_finds_a_branch_on_the_kind_of_store(line: str) -> None:
+    assert _store_kind_branches("lightning_zero.checkpoint.saver", line)
+
+
+def test_the_store_check_leaves_prose_and_the_store_alone(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""Saves to s3:// through s3fs."""\n# loc.is_local once lived here\nx = 1\n')
+    assert _store_kind_branches("lightning_zero.checkpoint.saver", _code_only(module)) == []
+    assert _store_kind_branches("lightning_zero.checkpoint.store.local", "if loc.is_local:") == []
+
+
+def test_a_backend_is_a_module_of_store_and_one_row_of_its_registry() -> None:
+    # Adding a store touches store/ alone: every backend the registry names lives there.
+    from lightning_zero.checkpoint.store.registry import BACKENDS
+
+    assert {opener.__module__.rsplit(".", 1)[0] for opener in BACKENDS.values()} == {"lightning_zero.checkpoint.store"}

@@ -2,7 +2,7 @@
 
 The package by concern, each layer importing only the ones before it (tests/test_code_layout.py holds it):
 
-* ``store/``: where bytes go (filesystem and fsspec locations, files, write-back);
+* ``store/``: where bytes go (one object per kind of store behind a registry, locations, files, write-back);
 * ``formats/``: what they mean (the ZeRO tree, CRCs, DeepSpeed's files);
 * ``dcp/``, ``runtime/``: torch DCP for ``sharded``; the worker thread, staging, coordination, figures;
 * ``modes/``: each mode's writes and reads;

@@ -81,7 +81,7 @@ def test_keep_last_n_under_async_saves_always_leaves_a_complete_checkpoint_on_sl
     prefix = s3.fresh_prefix("keep-last")
     with faulty_proxy(s3.endpoint_url) as proxy:
         proxy.delay_s = 0.01  # every request: saves take longer than a training step
-        options = {**s3.storage_options, "endpoint_url": proxy.endpoint_url}
+        options = s3.options(proxy.endpoint_url)
         run(prefix, out, steps=10, top_k=2, mode="sharded", storage_options=options)
     checks = [r for r in records(out, 0) if "complete" in r]
     assert len(checks) == 9

@@ -304,9 +304,10 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     # upload, and the file another thread writes stops at its next write and aborts its upload too,
     # instead of writing (or uploading) the rest of a save that is lost.
     from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.store.fsspec_store import FsspecStore
 
     uploads = _Uploads("failing.distcp", fails_with)
-    fs = dcp_integrity._ChecksummingFileSystem(uploads)
+    fs = dcp_integrity._ChecksummingFileSystem(uploads, FsspecStore.abort)
     fs.keep_errors = True
     with fs.create_stream("other.distcp", "wb") as other:
         other.write(b"before")
@@ -324,9 +325,10 @@ def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:
     # An fsync, close or item that fails after the writes went through: the file is lost all the
     # same, and its close must not complete the upload.
     from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.store.fsspec_store import FsspecStore
 
     uploads = _Uploads("none", disk_full())
-    fs = dcp_integrity._ChecksummingFileSystem(uploads)
+    fs = dcp_integrity._ChecksummingFileSystem(uploads, FsspecStore.abort)
     fs.keep_errors = True
     with fs.create_stream("file.distcp", "wb") as stream:
         stream.write(b"all of it")

@@ -137,7 +137,7 @@ def test_without_torch_record_crcs_the_writer_checksums_every_byte_itself(tmp_pa
 
     torch.serialization.set_crc32_options(False)
     try:
-        writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, "save-1")(str(tmp_path), sync_files=False)
+        writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, "save-1", lambda stream: None)(str(tmp_path), sync_files=False)
         dcp.save({"w": torch.full((4096,), 1.0)}, storage_writer=writer, no_dist=True)
     finally:
         torch.serialization.set_crc32_options(True)

@@ -21,7 +21,7 @@ def test_a_sharded_load_at_two_ranks_gets_the_metadata_from_the_bucket_once(s3: 
     root = s3.fresh_prefix("shared-metadata")
     saved = run_distributed(save_and_gather, 2, root, ("sharded",), start_method="forkserver")[0]
     with faulty_proxy(s3.endpoint_url) as proxy:
-        options = {**s3.storage_options, "endpoint_url": proxy.endpoint_url, "skip_instance_cache": True}
+        options = s3.options(proxy.endpoint_url, skip_instance_cache=True)
         loaded = run_distributed(load_with_options, 2, f"{root}/sharded.ckpt", sorted(saved["state"]), options,
                                  start_method="forkserver")
         requests = list(proxy.requests)

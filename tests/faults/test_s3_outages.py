@@ -23,6 +23,7 @@ from lightning_zero.checkpoint import (
     maybe_finalize_async_calls,
     save,
 )
+from lightning_zero.checkpoint.store.s3torch import FROZEN_ATTEMPT_S
 
 if TYPE_CHECKING:
     from s3_server import S3  # the type of the s3 fixture (tests/conftest.py)
@@ -45,11 +46,8 @@ def loaded_value(url: str, storage_options: dict[str, Any], numel: int = 1000) -
 
 def through(proxy_url: str, s3: S3, **config: Any) -> dict[str, Any]:
     # 5 MiB blocks (S3's smallest part): BIG goes up as a multipart upload of 3 parts.
-    options = {**s3.storage_options, "endpoint_url": proxy_url, "skip_instance_cache": True,
-               "default_block_size": 5 * 2**20}
-    if config:
-        options["config_kwargs"] = config
-    return options
+    return s3.options(proxy_url, skip_instance_cache=True, default_block_size=5 * 2**20,
+                      **({"config_kwargs": config} if config else {}))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -69,7 +67,7 @@ def upload_part_2(method: str, path: str) -> bool:
     return method == "PUT" and "partNumber=2" in path
 
 
-@pytest.mark.parametrize("how", ["refuse", pytest.param("freeze", marks=pytest.mark.slow)])  # freeze: 7-20 s
+@pytest.mark.parametrize("how", ["refuse", pytest.param("freeze", marks=pytest.mark.slow)])  # freeze: 7-20 s (CRT: 95)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_server_gone_mid_upload_fails_the_save_in_bounded_time_and_keeps_the_previous(
         s3: S3, mode: str, how: str) -> None:
@@ -86,7 +84,9 @@ def test_a_server_gone_mid_upload_fails_the_save_in_bounded_time_and_keeps_the_p
             maybe_finalize_async_calls(blocking=True)
         seconds = time.perf_counter() - start
         assert proxy.gone == how, f"the upload never reached part 2: {proxy.requests}"
-    assert seconds < 45, f"the failed save took {seconds:.0f} s to report"
+    # s3fs's read timeout is 1 s here; the CRT client has no such option: about FROZEN_ATTEMPT_S per attempt (2).
+    bound = 45 if s3.client_name == "s3fs" else 2 * FROZEN_ATTEMPT_S + 15
+    assert seconds < bound, f"the failed save took {seconds:.0f} s to report"
     after = {key: s3.read(s3.url(key)) for key in s3.keys(url.rsplit("/", 1)[0])}
     committed = {k: v for k, v in after.items() if "/_zero_data/" not in k or k in before}
     assert committed == before, "the failed save changed the committed checkpoint"

@@ -76,6 +76,19 @@ def test_convert_of_a_path_without_checkpoint_exits_1_with_the_message_not_a_tra
     assert not (tmp_path / "out.ckpt").exists()
 
 
+def test_convert_storage_options_are_key_value_pairs_for_the_store(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import _storage_options, main
+
+    assert _storage_options(["client=s3torchconnector", "anon=true", "part_size=8388608"]) == {
+        "client": "s3torchconnector", "anon": True, "part_size": 8388608}
+    assert _storage_options([]) is None
+    assert main(["convert", str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt"), "--storage-option", "client"]) == 1
+    assert "give KEY=VALUE" in capsys.readouterr().err
+    assert main(["convert", "s3://bucket/a.ckpt", str(tmp_path / "b.ckpt"), "--storage-option", "client=boto"]) == 1
+    assert "'boto' is not a client for s3:// paths" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, str]]:
     """``(run root, fit's output)`` of the README's fit in ``mode``, 20 steps (run once per mode)."""

@@ -314,7 +314,7 @@ def read_threads(local_ranks: int, most: int) -> int:
 # and ``write_data`` then raises the first one; a planned item without a result fails the save too.
 # Once one file has failed, the other threads' next writes fail too (``dcp_integrity.SaveAbandoned``), so
 # they end within one write instead of writing the rest of a save that is lost; on S3 the failed
-# file and the stopped ones abort their multipart uploads (``storage.abort_upload``) rather than
+# file and the stopped ones abort their multipart uploads (``Store.abort``) rather than
 # complete them at close. This holds with checksums off too (``checksums_disabled``).
 # ``.metadata``, written after, fails as it comes. A KeyboardInterrupt or SystemExit in a data
 # file is not kept but goes on up; it still stops the other files at their next write.

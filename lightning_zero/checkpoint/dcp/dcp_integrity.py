@@ -18,7 +18,6 @@ import torch
 from lightning_zero import _compat
 from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.runtime.process import gc_paused
-from lightning_zero.checkpoint.store import storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 
 
@@ -32,8 +31,9 @@ class _ChecksummingStream:
     """
 
     def __init__(self, raw: Any, segments: dict[tuple[int, int], Any] | None, errors: list[BaseException],
-                 own_crc: bool = True) -> None:
+                 abort: Callable[[Any], None], own_crc: bool = True) -> None:
         self._raw = raw
+        self._abort = abort
         self._segments = segments  # (offset, length) -> crc32, or the zip directory's digest
         self._errors = errors
         self._own_crc = own_crc
@@ -44,7 +44,7 @@ class _ChecksummingStream:
 
     def write(self, data: Any) -> int:
         if self._errors:  # another file of this save failed: the save is lost, give this one up
-            storage.abort_upload(self._raw)
+            self._abort(self._raw)
             raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
         view = memoryview(data).cast("B")
         try:
@@ -96,8 +96,9 @@ class _ChecksummingFileSystem:
     """Wraps a DCP writer's file system so that every data file it creates is checksummed per item
     (unless ``checksums_disabled()``), and its failures are kept ([Note: parallel writes])."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, abort: Callable[[Any], None]) -> None:
         self._inner = inner
+        self._abort = abort
         self.segments: dict[str, dict[tuple[int, int], Any]] = {}
         self.errors: list[BaseException] = []
         self.keep_errors = False
@@ -121,10 +122,10 @@ class _ChecksummingFileSystem:
                     segments = self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = {}
                 try:
                     # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
-                    yield _ChecksummingStream(stream, segments, self.errors,
+                    yield _ChecksummingStream(stream, segments, self.errors, self._abort,
                                               own_crc=not _compat.crc32_in_torch_save())
                 except BaseException:  # the file is lost, whatever failed (a write, the fsync, an item, another
-                    storage.abort_upload(stream)  # file: SaveAbandoned): its close must not complete an upload
+                    self._abort(stream)  # file: SaveAbandoned): its close must not complete an upload
                     raise
                 return
         except (Exception, KeyboardInterrupt, SystemExit) as exc:  # noqa: BLE001 - kept, raised by write_data
@@ -140,9 +141,10 @@ class _ChecksummingFileSystem:
         return getattr(self._inner, name)
 
 
-def checksumming_writer(base: type, save_id: str) -> type:
+def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) -> type:
     """A subclass of DCP writer class ``base`` that records each item's CRC32 in ``.metadata``, and
-    our ``save_id`` as DCP's own (``.metadata`` then names the checkpoint it belongs to)."""
+    our ``save_id`` as DCP's own (``.metadata`` then names the checkpoint it belongs to); a failed file is
+    given up with ``abort(stream)`` (the store's ``Store.abort``)."""
 
     class ChecksummingWriter(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -155,7 +157,7 @@ def checksumming_writer(base: type, save_id: str) -> type:
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             if not isinstance(self.fs, _ChecksummingFileSystem):
-                self.fs = _ChecksummingFileSystem(self.fs)
+                self.fs = _ChecksummingFileSystem(self.fs, abort)
             self.fs.keep_errors = True
             try:
                 future = super().write_data(plan, planner)

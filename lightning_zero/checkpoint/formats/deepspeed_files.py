@@ -118,8 +118,8 @@ class DeepSpeedFolder:
         return self.tag.join(self.tag.path, MODEL_STATES)
 
 
-def _names(fs: Any, path: str) -> list[str]:
-    return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+def _names(loc: Location) -> list[str]:
+    return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in loc.store.ls(loc.path))
 
 
 def _holds_deepspeed_files(names: list[str]) -> bool:
@@ -130,24 +130,24 @@ def tag_folder(loc: Location) -> Location | None:
     """The tag folder of the DeepSpeed checkpoint at ``loc`` (itself, or the one its ``latest`` names), or
     None when ``loc`` is not a directory holding one. Lists one or two directories."""
     try:
-        if not loc.fs.isdir(loc.path):
+        if not loc.store.isdir(loc.path):
             return None
-        names = _names(loc.fs, loc.path)
+        names = _names(loc)
         if _holds_deepspeed_files(names):
             return loc
         if LATEST not in names:
             return None
-        with loc.fs.open(loc.join(loc.path, LATEST), "rb") as f:
+        with loc.store.open_read(loc.join(loc.path, LATEST)) as f:
             tag = f.read(4096).decode("utf-8", "replace").strip()
     except OSError as exc:
         raise storage.storage_error(loc, "read", exc) from exc
     path = loc.join(loc.path, tag)
-    if not tag or "/" in tag or tag in (".", "..") or not loc.fs.isdir(path):
+    if not tag or "/" in tag or tag in (".", "..") or not loc.store.isdir(path):
         raise CheckpointNotFoundError(
             f"{loc.url!r} has a DeepSpeed 'latest' file naming tag {tag!r}, but no folder {tag!r} beside it: the"
             " save did not finish or was moved. Pass the tag folder of a complete save."
         )
-    return Location(loc.fs, path, loc.join(loc.url, tag))
+    return loc.at(path, loc.join(loc.url, tag))
 
 
 def open_folder(loc: Location) -> DeepSpeedFolder:
@@ -158,7 +158,7 @@ def open_folder(loc: Location) -> DeepSpeedFolder:
             f"{loc.url!r} is not a DeepSpeed checkpoint folder: it holds neither {MODEL_STATES} and"
             " zero_pp_rank_*_optim_states.pt files nor a 'latest' file naming such a folder."
         )
-    names = _names(tag.fs, tag.path)
+    names = _names(tag)
     for name in names:
         if _ZERO3_MODEL_FILE.match(name):
             raise ValueError(
@@ -227,11 +227,13 @@ def load_file(folder: DeepSpeedFolder, path: str) -> Any:
     DeepSpeed's pickles]); tensors on CPU, a local file memory-mapped (its pages are read as they are copied)."""
     tag = folder.tag
     name = path.rsplit("/", 1)[-1]
+    mapped: str | None = None
     try:
         with torch.serialization.safe_globals(STAND_INS):
-            if tag.is_local:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            with tag.fs.open(path, "rb") as f:
+            mapped = tag.store.mappable(path)
+            if mapped is not None:
+                return torch.load(mapped, map_location="cpu", weights_only=True, mmap=True)
+            with tag.store.open_read(path) as f:
                 return torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{name} of DeepSpeed checkpoint {tag.url!r} is missing.") from exc
@@ -244,7 +246,7 @@ def load_file(folder: DeepSpeedFolder, path: str) -> Any:
     except MemoryError:
         raise
     except Exception as exc:
-        if not tag.is_local and isinstance(exc, OSError):
+        if isinstance(exc, OSError) and mapped is None:  # a stream: the store, not the file, failed mid-read
             raise storage.storage_error(tag, "read", exc) from exc
         raise CheckpointCorruptError(
             f"Could not read {name} of DeepSpeed checkpoint {tag.url!r} ({type(exc).__name__}: {exc}): the file is"

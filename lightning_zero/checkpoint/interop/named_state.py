@@ -54,7 +54,7 @@ class NamedCheckpoint:
 
 def refuse_existing(out: storage.Location, dst: str, why: str) -> None:
     """``dst`` must not exist, or be an empty directory: ``why`` says what a folder holding files would break."""
-    if out.fs.exists(out.path) and (not out.fs.isdir(out.path) or out.fs.ls(out.path)):
+    if out.store.exists(out.path) and (not out.store.isdir(out.path) or out.store.ls(out.path)):
         raise FileExistsError(f"{dst!r} exists: {why} Remove it or pick another.")
 
 

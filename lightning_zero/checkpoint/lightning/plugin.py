@@ -26,7 +26,7 @@ from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, PLAIN, TREE_T
 
 
 class ZeroCheckpointIO(CheckpointIO):
-    """Writes ZeroLowLevelStrategy checkpoints asynchronously through fsspec.
+    """Writes ZeroLowLevelStrategy checkpoints asynchronously to local paths, shared file systems or ``s3://``.
 
     Args:
         mode: ``"local"`` (each rank its own shard, no collectives on the training thread, loads
@@ -35,8 +35,11 @@ class ZeroCheckpointIO(CheckpointIO):
             ``LightningModule.load_from_checkpoint`` read).
         async_save: return from ``save_checkpoint`` once the save is queued; tensors are copied
             off the live state in the background, before the next optimizer step.
-        storage_options: passed to fsspec (S3 endpoint, profile, credentials). Never written into
-            a checkpoint or a log.
+        storage_options: passed to the store's client (S3 endpoint, profile, credentials): fsspec/s3fs
+            by default; ``{"client": "s3torchconnector", ...}`` writes ``s3://`` through AWS's s3torchconnector
+            (``pip install "lightning-zero[s3torchconnector]"``; endpoint and region from ``endpoint_url`` and
+            ``region`` or the ``AWS_*`` environment, credentials from the environment or ``profile``). Never
+            written into a checkpoint or a log.
         tuning: the I/O knobs (writer and reader threads, page-cache writeback, the collector pause);
             the defaults of :class:`~lightning_zero.checkpoint.CheckpointTuning` when not given.
         local_tier: a :class:`~lightning_zero.checkpoint.LocalTier`: every save is written to node-local

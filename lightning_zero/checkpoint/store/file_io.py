@@ -3,56 +3,38 @@ storage (fsynced locally; one multipart upload remotely), ``torch.load`` with ``
 memory map or a stream, the probe that finds an unwritable path before a save writes anything, and
 the checks that a committed checkpoint's version directory exists.
 
-With :mod:`~lightning_zero.checkpoint.store.storage`, the only place that tells local from remote paths.
+What differs between stores (fsync or a completed upload, a rename or one PUT, a memory map or a stream) is the
+store's own ([Note: storage seam] in backend.py).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.store import storage, writeback
+from lightning_zero.checkpoint.store import storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location, version_dir_of
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
 def preflight(loc: Location, mode: str, rank: int) -> str | None:
-    """This rank's reason it cannot write ``loc`` (a read-only or refused path), found before any
-    checkpoint data is written; None when it can. Object stores have no directories to probe: their
-    refusals come from the first upload, which every rank then reports at exchange (3)."""
+    """This rank's reason it cannot write ``loc`` (a read-only or refused path, a missing bucket), found before
+    any checkpoint data is written; None when it can (``Store.preflight``)."""
     if mode == "full" and rank != 0:
         return None
-    if not loc.is_local:
-        # DCP's fsspec writer makes its directory with makedirs, which on s3fs creates a missing bucket.
-        bucket = loc.path.split("/", 1)[0]
-        try:
-            loc.fs.info(bucket)
-        except FileNotFoundError:
-            return (f"rank {rank}: Could not write checkpoint at {loc.url!r}: the bucket or prefix does not exist:"
-                    f" create the bucket {bucket!r} or fix the path.")
-        except Exception:  # e.g. no s3:ListBucket permission: the uploads themselves will tell
-            pass
-        return None
     directory = loc.data_root() if mode != "full" else (loc.parent or ".")
-    probe = f"{directory}/.lightning_zero-probe-{uuid.uuid4().hex[:8]}"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        return f"rank {rank}: cannot write {directory!r}: {storage.storage_error(loc, 'write', exc)}"
-    return None
+    exc = loc.store.preflight(loc.path, directory)
+    if exc is None:
+        return None
+    return f"rank {rank}: cannot write {directory!r}: {storage.storage_error(loc, 'write', exc)}"
 
 
 def discard(loc: Location, version_dir: str) -> None:
     try:
-        loc.fs.rm(version_dir, recursive=True)
+        loc.store.rm(version_dir, recursive=True)
     except Exception:  # a partial version directory is harmless: nothing points at it
         pass
 
@@ -62,44 +44,24 @@ def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning =
                   recycle: Callable[[str], bool] | None = None) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
-    Local disks: one file, fsynced; ``whole``: written under a temporary name and renamed, so it
-    appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint is).
-    Object stores: one multipart upload that completes at close; a partial upload left by a failure
-    is never referenced (the marker is written last). ``progress`` and ``recycle`` (local disks, not
-    ``whole``): see :func:`write_file`.
+    ``whole``: the file appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint
+    is). Object stores: one multipart upload that completes at close; a partial upload left by a failure is
+    never referenced (the marker is written last). ``progress`` and ``recycle``: see :func:`write_file`.
     """
-    if loc.is_local and whole:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        storage.replace_whole(path, lambda tmp: write_file(loc, tmp, obj, tuning))
+    if whole:
+        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning))
         return
     write_file(loc, path, obj, tuning, progress, recycle)
 
 
 def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
                progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None) -> None:
-    """``torch.save(obj)`` streamed into ``path`` as it is (see :func:`torch_save_to`). Local disks:
-    ``progress`` is told how far the bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.
-    WritebackStream`); ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after
-    ([Note: spare tier files] in tier_spares.py)."""
-    if loc.is_local:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        over = recycle is not None and recycle(path)
-        with open(path, "r+b" if over else "wb") as f:
-            stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind,  # [Note: early writeback]
-                                               progress)
-            _save_keeping_write_errors(obj, stream)
-            if over:
-                f.truncate()
-            f.flush()
-            os.fsync(f.fileno())
-    else:
-        f = loc.fs.open(path, "wb")
-        try:
-            _save_keeping_write_errors(obj, f)
-        except BaseException:
-            storage.abort_upload(f)
-            raise
-        f.close()
+    """``torch.save(obj)`` into ``path`` through the store's ``Store.write_file``: every checkpoint file this
+    package writes with ``torch.save`` passes here. Local disks: ``progress`` is told how far the bytes are in
+    the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`); ``recycle(path)`` may put an
+    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tier_spares.py)."""
+    loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream), tuning, progress=progress,
+                         recycle=recycle)
 
 
 class _WriteErrorKeeper:
@@ -141,12 +103,7 @@ def torch_load(loc: Location, path: str, weights_only: bool = True) -> Any:
     the stream (``full`` files are a whole model). ``weights_only=False`` (a caller who trusts the file:
     ``trainer.fit(..., weights_only=False)``) unpickles any object it holds; the default refuses them."""
     try:
-        if loc.is_local:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(path)
-            data: Any = path
-        else:
-            data = loc.fs.open(path, "rb")
+        data: Any = loc.store.mappable(path) or loc.store.open_read(path)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(
             f"Checkpoint {loc.url!r} is committed but {path!r} is missing; the checkpoint is damaged, resume"
@@ -167,7 +124,7 @@ def torch_load(loc: Location, path: str, weights_only: bool = True) -> Any:
     except pickle.UnpicklingError as exc:
         raise CheckpointCorruptError(storage.refused_pickle(loc.url, f"file {path!r}", exc)) from None
     except OSError as exc:
-        if not loc.is_local:  # the store, not the file, failed mid-read
+        if not isinstance(data, str):  # a stream: the store, not the file, failed mid-read
             raise storage.storage_error(loc, "read", exc) from exc
         error: Exception = exc
     except Exception as exc:
@@ -181,7 +138,7 @@ def torch_load(loc: Location, path: str, weights_only: bool = True) -> Any:
 def existing_version_dir(loc: Location, marker: dict[str, Any]) -> str:
     version_dir = version_dir_of(loc, marker)
     try:
-        exists = loc.fs.exists(version_dir) or bool(loc.fs.ls(version_dir, detail=False))
+        exists = loc.store.exists(version_dir) or bool(loc.store.ls(version_dir))
     except FileNotFoundError:
         exists = False
     except Exception as exc:

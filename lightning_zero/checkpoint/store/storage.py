@@ -1,4 +1,6 @@
-"""Where checkpoints live: one fsspec-backed storage layer for local paths, shared filesystems and S3.
+"""Where checkpoints live: locations (a path and the store that serves it), the commit marker and its format,
+version directories and the errors a user reads. What differs between stores is the store's ([Note: storage seam]
+in backend.py).
 
 [Note: checkpoint layout] A checkpoint at ``<parent>/<name>`` is
 
@@ -17,7 +19,6 @@ filesystem for a modification time, works on S3 too (Lightning #18261 fails on d
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -25,14 +26,18 @@ import pickle
 import re
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
+
+from lightning_zero.checkpoint.store.backend import Failure, Store
+from lightning_zero.checkpoint.store.local import replace_whole
+from lightning_zero.checkpoint.store.registry import resolve_store
+
+__all__ = ["replace_whole"]
 
 MARKER_FORMAT = "lightning_zero"
 MARKER_VERSION = 2
@@ -54,15 +59,16 @@ checkpoint by itself leaves it out of what it reports (``tier_recovery``)."""
 
 @dataclass(frozen=True)
 class Location:
-    """A checkpoint path resolved to an fsspec filesystem."""
+    """A checkpoint path resolved to the store that serves it ([Note: storage seam] in backend.py)."""
 
-    fs: fsspec.AbstractFileSystem
-    path: str  # without protocol, as the filesystem expects it
+    store: Store
+    path: str  # without protocol, as the store expects it
     url: str  # as the user gave it, for messages
 
     @property
-    def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+    def fs(self) -> Any:
+        """An fsspec file system over the same store, for code outside the package (``Store.fs``)."""
+        return self.store.fs
 
     @property
     def parent(self) -> str:
@@ -71,6 +77,10 @@ class Location:
     @property
     def name(self) -> str:
         return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def at(self, path: str, url: str | None = None) -> Location:
+        """Another path of the same store."""
+        return Location(self.store, path, url if url is not None else self.store.url(path))
 
     def data_root(self) -> str:
         """Directory holding every version of this checkpoint's data."""
@@ -88,85 +98,23 @@ def join_paths(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 
 
-S3_TIMEOUTS: dict[str, Any] = {
-    "connect_timeout": 10,
-    "read_timeout": 30,
-    "retries": {"max_attempts": 3, "mode": "standard"},
-}
-"""botocore settings every ``s3://`` location gets unless ``storage_options["config_kwargs"]`` sets them.
-
-[Note: bounded S3 failures] botocore's default (legacy retries, 60 s read timeout) multiplied by
-s3fs's own retries of timed-out calls let a save to an S3 endpoint that stopped answering hang for
-many minutes. "standard" retries back off with jitter on 5xx and throttling (``SlowDown``) and
-give up after ``max_attempts``; s3fs makes at most ``S3_CALL_ATTEMPTS`` attempts of a call that
-timed out (its default: 5). A dead endpoint then fails a call within about S3_CALL_ATTEMPTS *
-max_attempts * read_timeout (3 minutes) in the worst case (frozen), within seconds when the connection
-is refused; a failed ``sharded`` save makes about two such calls (DCP deletes its partial file)."""
-
-S3_CALL_ATTEMPTS = 2
-
-
-def _with_s3_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    if not url.startswith(("s3://", "s3a://")):
-        return options
-    config = {**S3_TIMEOUTS, **(options.get("config_kwargs") or {})}
-    return {**options, "config_kwargs": config}
-
-
 def resolve(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
-    url = os.fspath(url)
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **_with_s3_defaults(url, dict(storage_options or {})))
-    except ImportError as exc:
-        raise ValueError(f"No filesystem for {url!r}: {exc}. Install the fsspec backend for this protocol.") from exc
-    if isinstance(fs, LocalFileSystem):
-        path = os.path.abspath(path)
-    elif type(fs).__name__ == "S3FileSystem" and "retries" not in (storage_options or {}):
-        fs.retries = S3_CALL_ATTEMPTS  # s3fs reads it per call; see [Note: bounded S3 failures]
-    return Location(fs, path, url)
+    """The location of checkpoint path ``url``, served by the store its scheme and ``storage_options["client"]``
+    choose (:mod:`~lightning_zero.checkpoint.store.registry`)."""
+    return Location(*resolve_store(url, storage_options))
 
 
 def keeps_partial_writes(loc: Location, errors: list[str]) -> bool:
-    """Whether a failed save leaves its partial version in place: when an object store stopped answering
+    """Whether a failed save leaves its partial version in place: when the store stopped answering
     (every further call would wait out its timeouts and retries too). Nothing points at the version,
     and the next successful save of the name deletes it with the other stale versions."""
-    unreachable = ("ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "timed out", "ClientConnectorError",
-                   "ServerDisconnected", "Connection reset", "ConnectionClosed", "Cannot connect")
-    return not loc.is_local and any(sign in error for error in errors for sign in unreachable)
+    return any(loc.store.classify_text(error) is Failure.TRANSIENT for error in errors)
 
 
 def storage_error(loc: Location, action: str, exc: BaseException) -> OSError:
     """A clear error for an unreachable bucket, refused access or a full disk; no credentials in it."""
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, PermissionError) and loc.is_local:
-        hint = "permission denied: give this user write access to the directory or point the checkpoint elsewhere"
-    elif isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
-        hint = "access was refused: check the credentials/profile in storage_options and the bucket policy"
-    elif "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
-        isinstance(exc, FileNotFoundError) and not loc.is_local
-    ):
-        hint = "the bucket or prefix does not exist: create it or fix the path"
-    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == errno.ENOSPC:
-        hint = "the disk is full: free space or point the checkpoint elsewhere; the previous checkpoint is intact"
-    elif isinstance(exc, OSError) and getattr(exc, "errno", None) == errno.EROFS:
-        hint = "the file system is read-only: mount it read-write or point the checkpoint elsewhere"
-    else:
-        hint = "see the cause below"
-    return OSError(f"Could not {action} checkpoint at {loc.url!r}: {hint}. ({text})")
-
-
-def abort_upload(f: Any) -> None:
-    """Give up an object-store file being written: abort its multipart upload, so that its
-    ``close()`` neither finishes the upload of a partial file nor retries against a store that
-    stopped answering. (A local file has no ``discard``: nothing to do.)"""
-    discard = getattr(f, "discard", None)
-    if discard is None:
-        return
-    with suppress(Exception):
-        discard()
-    with suppress(AttributeError):  # a file whose ``closed`` is read-only
-        f.closed = True
-
+    return OSError(f"Could not {action} checkpoint at {loc.url!r}: {loc.store.hint(loc.store.classify(exc))}. ({text})")
 
 
 MARKER_KEY = "lightning_zero"
@@ -195,61 +143,29 @@ def write_marker(loc: Location, marker: dict[str, Any], lightning_fields: dict[s
     torch.save(content, buffer)
     payload = buffer.getvalue()
     if loc.parent:
-        loc.fs.makedirs(loc.parent, exist_ok=True)
-    if loc.is_local:
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-
-        replace_whole(loc.path, write)
-    else:
-        # One PUT: an object store shows the old object or the new one, never a mix.
-        loc.fs.pipe_file(loc.path, payload)
+        loc.store.makedirs(loc.parent)
+    loc.store.publish(loc.path, payload)
 
 
 @contextmanager
 def local_directory(loc: Location) -> Iterator[str]:
-    """A local directory whose files end up at ``loc``: ``loc`` itself on a local disk, on an object store
-    a temporary one whose files are uploaded when the block ends without an error."""
-    if loc.is_local:
-        yield loc.path
-        return
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        yield tmp
-        for name in os.listdir(tmp):
-            loc.fs.put_file(os.path.join(tmp, name), loc.join(loc.path, name))
-
-
-def replace_whole(path: str, write: Callable[[str], None]) -> None:
-    """(local disks) Create ``path`` whole or not at all: ``write(tmp)`` makes a temporary name beside it
-    (``<path>.tmp-<id>``, which readers skip), which then replaces ``path`` in one rename; a failed
-    write leaves no temporary behind (least of all on a full disk). Object stores need none of this:
-    an upload is complete or absent."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
-            os.remove(tmp)
-        raise
+    """A local directory whose files end up at ``loc`` (``loc`` itself on a local disk; on an object store a
+    temporary one whose files are uploaded when the block ends without an error)."""
+    with loc.store.local_directory(loc.path) as directory:
+        yield directory
 
 
 def read_marker(loc: Location) -> dict[str, Any] | None:
     """The commit marker's fields, or None when ``loc`` is a ``full`` checkpoint file. Raises when absent."""
     try:
-        if not loc.fs.exists(loc.path):
+        if not loc.store.exists(loc.path):
             raise CheckpointNotFoundError(_missing_message(loc))
-        if loc.fs.isdir(loc.path):
+        if loc.store.isdir(loc.path):
             raise CheckpointNotFoundError(
                 f"{loc.url!r} is a directory without a lightning_zero commit marker: it is not a checkpoint"
                 " or its save never completed. Pass the path of a checkpoint this package wrote."
             )
-        with loc.fs.open(loc.path, "rb") as f:
+        with loc.store.open_read(loc.path) as f:
             head = f.read(4)
             if head[:1] == b"{":
                 body, kind = head + f.read(), "json"
@@ -326,17 +242,12 @@ def _parse_marker(loc: Location, body: bytes, kind: str) -> dict[str, Any]:
 
 
 def _missing_message(loc: Location) -> str:
-    if not loc.is_local:
-        bucket = loc.path.split("/", 1)[0]
-        try:
-            bucket_exists = loc.fs.exists(bucket)
-        except Exception:  # cannot tell: the general message below still holds
-            bucket_exists = True
-        if not bucket_exists:
-            return (
-                f"No checkpoint at {loc.url!r}: the bucket {bucket!r} does not exist (or these credentials cannot"
-                " see it). Fix the path or the storage_options."
-            )
+    bucket = loc.store.missing_root(loc.path)
+    if bucket is not None:
+        return (
+            f"No checkpoint at {loc.url!r}: the bucket {bucket!r} does not exist (or these credentials cannot"
+            " see it). Fix the path or the storage_options."
+        )
     return (
         f"No checkpoint at {loc.url!r}. If a save was in progress it did not commit (a checkpoint counts only"
         " once its commit marker is written); resume from an earlier checkpoint."

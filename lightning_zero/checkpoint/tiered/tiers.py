@@ -71,7 +71,7 @@ class LocalTier:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"LocalTier(path={self.path!r}): give a directory on node-local storage.")
-        if "://" in self.path:
+        if not storage.resolve(self.path).store.machine_files:
             raise ValueError(f"LocalTier(path={self.path!r}) must be a node-local directory, not a URL: the durable"
                              " tier is the ModelCheckpoint path (which may be s3://).")
         names = {name for _, name, _, _ in string.Formatter().parse(self.path) if name is not None}

@@ -238,7 +238,8 @@ def test_console_convert_and_load_from_checkpoint_read_an_s3_checkpoint(s3: S3, 
     out = tmp_path / "model.ckpt"
     # Credentials and endpoint from the environment (AWS_*, as conftest.py exports them), as a user has them.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([CONSOLE, "convert", f"{prefix}/last.ckpt", str(out)],
+    client = [] if s3.client_name == "s3fs" else ["--storage-option", f"client={s3.client_name}"]
+    done = subprocess.run([CONSOLE, "convert", f"{prefix}/last.ckpt", str(out), *client],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_same_weights(torch.load(out, weights_only=True)["state_dict"], trained, "convert from s3://")
