@@ -198,6 +198,14 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
             self._pending = 0
         super().set_epoch(epoch)
 
+    def heal(self, epoch: int, start: int, in_step_ranks: int | None) -> None:
+        """A live group's position (read before its step), put here. ``in_step_ranks``: the heal is applied inside
+        a step that every group splits over that many ranks and commits, so its samples are this sampler's pending
+        ones too (the batch this group drew before the heal was not split with the others and counts for nothing:
+        a healing group contributes nothing)."""
+        self.resume_at(epoch, start)
+        self._pending = 0 if in_step_ranks is None else min(in_step_ranks * self.batch_size, len(self.dataset) - start)
+
     def commit(self, committed: bool) -> None:
         """The step of the batches drawn since the last decision: their samples are consumed, or drawn again."""
         if committed:

@@ -217,7 +217,8 @@ class ReplicaGroups:
         """Start this step's quorum, once (before the forward, so the lighthouse's answer overlaps it)."""
         if self._started_at is None:
             self._started_at = time.perf_counter()
-            self.manager.start_quorum()
+            with self._quorum_errors():  # it first waits for the last quorum's end
+                self.manager.start_quorum()
 
     def state(self) -> dict[str, Any]:
         """What a heal carries of this object: the quorum the next batches are split by."""
@@ -238,7 +239,8 @@ class ReplicaGroups:
         rescaled by ``participants / contributors``: the average over the groups that contributed to
         that shard, exact whatever heals. On the device, no host read: the factor is a tensor."""
         self.start_step()
-        participants = max(self.manager.num_participants(), 1)
+        with self._quorum_errors():
+            participants = max(self.manager.num_participants(), 1)
         for bucket in self._buckets:
             bucket.average_over = self.group_size * participants
         self._contributors = torch.ones(1, dtype=torch.float32, device=self._device)

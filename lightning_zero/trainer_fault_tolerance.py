@@ -80,9 +80,9 @@ class TrainerReplicaGroups:
         _compat.load_loop_counters(trainer, state["loops"], in_step=not self.groups.joining)
         for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
+        in_step_ranks = None if self.groups.joining else self.data_split()[0]  # the quorum is loaded first
         for sampler, (epoch, start) in zip(replica_group_samplers(trainer), state["data"], strict=True):
-            sampler.resume_at(epoch, start)
-            sampler.commit(False)  # nothing of this group's own batches is pending
+            sampler.heal(epoch, start, in_step_ranks)
 
     def _samplers_follow(self, committed: bool) -> None:
         for sampler in replica_group_samplers(self.trainer):

@@ -67,7 +67,9 @@ class FTCluster:
         self.port = free_port()
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("MASTER_", "WORLD_SIZE", "RANK", "LOCAL_", "TORCHELASTIC"))}
-        self.env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", FT_OUT=str(root), FT_GROUPS=str(groups),
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: workers torchrun restarts would otherwise read the dead attempt's
+        # gloo addresses from the agent's store (the fault-tolerance guide's launch lines say so too).
+        self.env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FT_OUT=str(root), FT_GROUPS=str(groups),
                         FT_STEPS=str(steps), FT_STEP_SLEEP=str(step_sleep), FT_TIMEOUT=str(timeout_s),
                         TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}", **(env or {}))
         self.min_replicas = min_replicas
