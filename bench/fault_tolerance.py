@@ -101,11 +101,12 @@ def check_progress(lines: list[dict[str, Any]], group: int, most: int = 30) -> N
                            f" {lines[-1]['participants']} participants): the groups commit no step together")
 
 
-def fault_tolerance_run(root: Path, groups: int, step_sleep: float, warm: int) -> dict[str, Any]:
+def fault_tolerance_run(root: Path, groups: int, step_sleep: float, warm: int,
+                        timeout_s: float = 2.0) -> dict[str, Any]:
     """``groups`` x 2 ranks with fault tolerance: the last group SIGKILLed once all commit together past step
     ``warm``, then relaunched."""
     victim, survivor = groups - 1, 0
-    with FTCluster(root, groups=groups, steps=100_000, step_sleep=step_sleep) as ft:
+    with FTCluster(root, groups=groups, steps=100_000, step_sleep=step_sleep, timeout_s=timeout_s) as ft:
         ft.start()
 
         def progressing(*watched: int) -> bool:
@@ -212,14 +213,16 @@ def mean_step_s(lines: list[dict[str, Any]], warmup: int) -> float:
     return (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0])
 
 
-def step_time_runs(root: Path, steps: int, warmup: int) -> dict[str, float]:
-    """2 groups x 2 ranks with fault tolerance, no failure, then the same hybrid job of 4 ranks without it."""
-    with FTCluster(root / "ft", groups=2, steps=steps, min_replicas=2) as ft:
+def step_time_runs(root: Path, steps: int, warmup: int, width: int = 0) -> dict[str, float]:
+    """2 groups x 2 ranks with fault tolerance, no failure, then the same hybrid job of 4 ranks without it.
+    ``width``: ft_job.py's model with two hidden layers of that width (0: its 8-16-1 MLP, all overhead)."""
+    env = {"FT_WIDTH": str(width)}
+    with FTCluster(root / "ft", groups=2, steps=steps, min_replicas=2, env=env) as ft:
         ft.start()  # min_replicas=2: both groups take part from the first step
         for group in range(2):
             if ft.wait_exit(group, 600) != 0:
                 raise RuntimeError(ft.log_tail(group))
-    with FTCluster(root / "hybrid", groups=2, ranks=4, steps=steps, env={"FT_HYBRID": "1"}) as hybrid:
+    with FTCluster(root / "hybrid", groups=2, ranks=4, steps=steps, env={"FT_HYBRID": "1", **env}) as hybrid:
         hybrid.launch(0)
         if hybrid.wait_exit(0, 600) != 0:
             raise RuntimeError(hybrid.log_tail(0))
@@ -239,7 +242,10 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "lost": max((r["lost"] for r in elastic if r["lost"] is not None), default=None),
             "elastic_world": elastic[0]["world"],
             "with": median([r["with"] for r in steps]), "without": median([r["without"] for r in steps]),
-            "step_ratio": median([r["with"] / r["without"] for r in steps])}
+            "step_ratio": median([r["with"] / r["without"] for r in steps]),
+            "wide_with": median([r["with"] for r in results["steps_wide"]]),
+            "wide_without": median([r["without"] for r in results["steps_wide"]]),
+            "wide_ratio": median([r["with"] / r["without"] for r in results["steps_wide"]])}
 
 
 def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], command: str,
@@ -265,9 +271,12 @@ def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any
              "| 2 x 2 ranks, no failure, no sleep | mean step ms | vs without |", "| --- | ---: | ---: |",
              f"| fault tolerance (torchft, 2 groups) | {1000 * s['with']:.1f} | {s['step_ratio']:.2f} |",
              f"| the same hybrid job without it (4 ranks, shard_group_size=2) | {1000 * s['without']:.1f} | 1.00 |",
+             f"| fault tolerance, {args.width}-wide MLP (2 hidden layers) | {1000 * s['wide_with']:.1f}"
+             f" | {s['wide_ratio']:.2f} |",
+             f"| the same hybrid job without it, {args.width}-wide | {1000 * s['wide_without']:.1f} | 1.00 |",
              "",
              f"Fault tolerance: lighthouse heartbeat timeout {HEARTBEAT_MS / 1000:.0f} s, quorum tick 0.1 s, the"
-             f" groups' timeout (FTCluster's) {results['ft'][0]['timeout_s']:g} s, {args.step_sleep} s of sleep per"
+             f" groups' timeout_s {results['ft'][0]['timeout_s']:g} s, {args.step_sleep} s of sleep per"
              " step; the stall is the kill to the survivors' next committed step; the steps discarded are retaken, so"
              " no sample is lost. The relaunched group's time holds its torchrun start and its workers' imports; the"
              " heal transfer is its `last_heal_s` (state from a live group, no storage read). torch elastic:"
@@ -286,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, default=3, choices=(2, 3), help="replica groups (torch elastic: nodes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds of sleep per step in the kill runs")
+    parser.add_argument("--width", type=int, default=1024, help="hidden width of the step-time model with compute")
+    parser.add_argument("--timeout", type=float, default=2.0, help="FaultTolerance(timeout_s=...) of the kill runs")
     parser.add_argument("--kill-after", type=int, default=5, help="the kill comes past this step")
     parser.add_argument("--step-steps", type=int, default=60, help="steps of each step-time run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the step time")
@@ -307,19 +318,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.time()
     work = Path(tempfile.mkdtemp(prefix="lz-ft-bench-", dir=args.dir))
     tier = Path(tempfile.mkdtemp(prefix="lz-ft-bench-tier-", dir=args.tier_dir or str(work)))
-    results: dict[str, list[dict[str, Any]]] = {"ft": [], "elastic": [], "steps": []}
+    results: dict[str, list[dict[str, Any]]] = {"ft": [], "elastic": [], "steps": [], "steps_wide": []}
     failed = True
     try:
         machine = describe_machine(str(work)).replace("checkpoints in", "logs in")
         print(f"fault_tolerance: {args.groups} x 2 ranks, {args.repeats} repeat(s), work in {work}", flush=True)
         for index in range(args.repeats):
             results["ft"].append(fault_tolerance_run(work / f"ft{index}", args.groups, args.step_sleep,
-                                                     args.kill_after))
+                                                     args.kill_after, args.timeout))
             print(f"fault tolerance #{index}: {results['ft'][-1]}", flush=True)
             results["elastic"].append(elastic_run(work / f"elastic{index}", tier / f"elastic{index}", args.groups,
                                                   args.step_sleep, args.kill_after))
             print(f"torch elastic #{index}: {results['elastic'][-1]}", flush=True)
             results["steps"].append(step_time_runs(work / f"steps{index}", args.step_steps, args.warmup))
+            results["steps_wide"].append(step_time_runs(work / f"wide{index}", args.step_steps, args.warmup,
+                                                        args.width))
             print(f"step time #{index}: {json.dumps(results['steps'][-1])}", flush=True)
         failed = False
     finally:

@@ -66,16 +66,17 @@ def test_the_report_sets_the_elastic_recovery_against_the_stall_and_the_step_tim
     results = {"ft": [{"stall": 1.5, "discarded": 1, "heal": 8.0, "transfer": 0.1, "rejoin_discarded": 0,
                        "timeout_s": 5.0}],
                "elastic": [{"recovery": 12.0, "worker": 6.0, "resume": 0.2, "world": 2, "tier": "local", "lost": 0}],
-               "steps": [{"with": 0.012, "without": 0.010}]}
-    args = argparse.Namespace(groups=2, repeats=1, step_sleep=0.05, warmup=10, step_steps=40)
+               "steps": [{"with": 0.012, "without": 0.010}], "steps_wide": [{"with": 0.110, "without": 0.100}]}
+    args = argparse.Namespace(groups=2, repeats=1, step_sleep=0.05, warmup=10, step_steps=40, width=1024)
     text = ft_bench.build_report(args, results, "cmd", 1.0, "machine.")
     assert ("| fault tolerance (torchft): the survivors go on at 1 x 2 | 1.50 | 1 (at the rejoin: 0) | 8.00 | 0.100 |"
             in text)
     assert "| torch elastic, tuned, from the fast tier: restarted at 2 ranks | 12.00 | 0 (steps lost) |" in text
     assert "| torch elastic recovery / fault-tolerance stall | 8.0 |" in text
-    assert "the groups' timeout (FTCluster's) 5 s" in text
+    assert "the groups' timeout_s 5 s" in text
     assert "| torch elastic recovery / relaunched group's relaunch -> first committed step | 1.50 |" in text
     assert "| fault tolerance (torchft, 2 groups) | 12.0 | 1.20 |" in text
+    assert "| fault tolerance, 1024-wide MLP (2 hidden layers) | 110.0 | 1.10 |" in text
 
 
 @pytest.mark.e2e

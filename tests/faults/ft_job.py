@@ -44,7 +44,9 @@ class Numbers(Dataset):
 class Model(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        width = int(os.environ.get("FT_WIDTH", "0"))  # FT_WIDTH: a model with compute (the step-time benchmark)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)) if not width else nn.Sequential(
+            nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
