@@ -15,6 +15,9 @@ from typing import Any
 
 from _dist import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))
+from test_torchrun_elastic import descendants  # noqa: E402  (every process below an agent)
+
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "faults" / "ft_job.py"
 BIN = Path(sys.executable).parent
@@ -23,24 +26,6 @@ HEARTBEAT_MS = 1000
 
 def torchft_installed() -> bool:
     return (BIN / "torchft_lighthouse").exists()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts each worker in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def signal_tree(proc: subprocess.Popen, sig: int) -> None:

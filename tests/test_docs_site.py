@@ -6,16 +6,15 @@ where it is missing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import struct
 import subprocess
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 import pytest
+from test_docs import site_build
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["index.html", "tiers/index.html"]  # the home page (install, code, a plot) and the longest guide
@@ -26,14 +25,6 @@ CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := s
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH: install Debian's chromium package (apt-get install chromium) "
                              "to render the docs site; .ci/run installs it")
-
-
-def site_build() -> Any:
-    spec = importlib.util.spec_from_file_location("site_build", REPO / "docs" / "site_build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
