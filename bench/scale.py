@@ -22,8 +22,8 @@ rank's local plan, the coordinator's global plan over every rank's local plan (d
 validation, ``.metadata``), and each rank's final plan; a load plans each rank's reads against
 ``.metadata``, which every loading rank unpickles (timed here) after the coordinator read it and
 broadcast it ([Note: shared metadata]). None of it needs a collective, so the simulation runs the real planners
-(:class:`~lightning_zero.checkpoint.dcp.dcp_adapter.FlatChunkSavePlanner`, DCP's file writer,
-:class:`~lightning_zero.checkpoint.dcp.dcp_adapter.FlatChunkLoadPlanner`) on the tree every rank hands DCP
+(:class:`~lightning_zero.checkpoint.dcp.adapter.FlatChunkSavePlanner`, DCP's file writer,
+:class:`~lightning_zero.checkpoint.dcp.adapter.FlatChunkLoadPlanner`) on the tree every rank hands DCP
 (fp32 master, ``exp_avg`` and ``exp_avg_sq`` of every tensor as flat chunks, AdamW's ``step``
 counters as replicated scalars), one rank after the other in this process, and times the steps as
 one rank (the slowest: rank 0, also the coordinator) would run them. The bytes that DCP's gathers
@@ -288,7 +288,7 @@ def plan_save(world_size: int, blocks: int) -> PlannedSave:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import (
+    from lightning_zero.checkpoint.dcp.adapter import (
         FlatChunkSavePlanner,
         forget_plans,
         plan_cache_key,
@@ -353,8 +353,8 @@ def simulate_planning(world_size: int, blocks: int) -> PlanResult:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import FlatChunkLoadPlanner, chunk_bytes
-    from lightning_zero.checkpoint.dcp.dcp_integrity import unpickle_metadata
+    from lightning_zero.checkpoint.dcp.adapter import FlatChunkLoadPlanner, chunk_bytes
+    from lightning_zero.checkpoint.dcp.integrity import unpickle_metadata
 
     planned = plan_save(world_size, blocks)
     local_plan_bytes = len(pickle.dumps(planned.plans[0]))

@@ -74,7 +74,7 @@ class _ResumeNothing:
     def __call__(self, checkpoint_path: Any = None, weights_only: Any = None) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        from lightning_zero.checkpoint.tiered.tier_recovery import NothingToResume
+        from lightning_zero.checkpoint.tiered.recovery import NothingToResume
 
         try:
             type(self.connector).resume_start(self.connector, checkpoint_path, weights_only=weights_only)

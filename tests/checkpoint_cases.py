@@ -387,7 +387,7 @@ def save_with_failing_rank(rank: int, world_size: int, root: str, failing_rank: 
 def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, bool]:
     """Two ``sharded`` saves of one tree structure, then both loaded back: (global plans the
     coordinator computed, whether both loads equal what was saved). [Note: cached save plans]"""
-    from lightning_zero.checkpoint.dcp import dcp_adapter
+    from lightning_zero.checkpoint.dcp import adapter as dcp_adapter
     from lightning_zero.checkpoint.formats.tree import FlatShard
     from lightning_zero.sharding import EvenShard
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zero.checkpoint.dcp import dcp_integrity
+from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
 from lightning_zero.checkpoint.formats import deepspeed_files
 from lightning_zero.checkpoint.modes import OpenedCheckpoint, validate_marker_mode
 from lightning_zero.checkpoint.modes import sharded as sharded_mode

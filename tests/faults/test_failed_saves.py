@@ -133,7 +133,7 @@ def test_plugin_teardown_raises_a_background_failure(tmp_path: Path, monkeypatch
     plugin.teardown()  # raised once
 
 
-# ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp_adapter.py) ---------
+# ---- a failure in one of DCP's writer threads ([Note: parallel writes] in dcp/adapter.py) ---------
 
 
 FAILED = threading.Event()
@@ -303,7 +303,7 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     # A failed write (kept; a KeyboardInterrupt or SystemExit also goes on up) aborts that file's
     # upload, and the file another thread writes stops at its next write and aborts its upload too,
     # instead of writing (or uploading) the rest of a save that is lost.
-    from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
     from lightning_zero.checkpoint.store.fsspec_store import FsspecStore
 
     uploads = _Uploads("failing.distcp", fails_with)
@@ -324,7 +324,7 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
 def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:
     # An fsync, close or item that fails after the writes went through: the file is lost all the
     # same, and its close must not complete the upload.
-    from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
     from lightning_zero.checkpoint.store.fsspec_store import FsspecStore
 
     uploads = _Uploads("none", disk_full())

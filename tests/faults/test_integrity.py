@@ -133,7 +133,7 @@ def test_without_torch_record_crcs_the_writer_checksums_every_byte_itself(tmp_pa
     the writer then stores the CRC32 of each item's bytes, which readers check instead."""
     import zlib
 
-    from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
 
     torch.serialization.set_crc32_options(False)
     try:

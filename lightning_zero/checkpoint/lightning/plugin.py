@@ -19,8 +19,9 @@ from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, che
 from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad, process_started_at
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
-from lightning_zero.checkpoint.tiered import tier_recovery, tier_spares
-from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
+from lightning_zero.checkpoint.tiered import recovery as tier_recovery
+from lightning_zero.checkpoint.tiered import spares as tier_spares
+from lightning_zero.checkpoint.tiered.recovery import TierChoice
 from lightning_zero.checkpoint.tiered.tiers import LocalTier, TierRuntime, TierSave
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, PLAIN, TREE_TAG
 
@@ -175,7 +176,7 @@ class ZeroCheckpointIO(CheckpointIO):
 
     def resolve_last(self, shard_group_size: int | None = None) -> TierChoice | None:
         """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
-        resume reads: see :func:`~lightning_zero.checkpoint.tiered.tier_recovery.resolve_last`. None otherwise.
+        resume reads: see :func:`~lightning_zero.checkpoint.tiered.recovery.resolve_last`. None otherwise.
         ``shard_group_size``: the resuming strategy's (None: the whole world)."""
         durable, self.tiered_last = self.tiered_last, None
         if durable is None or self.local_tier is None:

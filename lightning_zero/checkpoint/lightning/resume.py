@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
     from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
-    from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
+    from lightning_zero.checkpoint.tiered.recovery import TierChoice
 
 
 def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,

@@ -3,7 +3,7 @@ with a ``.metadata`` index; a load at any world size reads the regions it needs.
 ``objects.pt`` (the non-tensor leaves, the save id and the full shape of every tensor).
 
 The DCP adapter itself (flat chunks, planners, plan cache, parallel and verifying readers) is in
-:mod:`~lightning_zero.checkpoint.dcp.dcp_adapter` and :mod:`~lightning_zero.checkpoint.formats.integrity`.
+:mod:`~lightning_zero.checkpoint.dcp.adapter` and :mod:`~lightning_zero.checkpoint.formats.integrity`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint.dcp import dcp_storage
-from lightning_zero.checkpoint.dcp.dcp_adapter import (
+from lightning_zero.checkpoint.dcp import storage as dcp_storage
+from lightning_zero.checkpoint.dcp.adapter import (
     FlatChunk,
     FlatChunkLoadPlanner,
     FlatChunkSavePlanner,

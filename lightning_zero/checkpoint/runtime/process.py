@@ -8,7 +8,7 @@ Owned here, and nowhere else:
 * ``coordination_group`` and ``local_ranks``: the gloo group background saves and loads exchange over, and
   the ranks on this node (:mod:`~lightning_zero.checkpoint.runtime.team`);
 * the garbage-collector pause of DCP's planning (:func:`gc_paused`, [Note: no collections while planning] in
-  dcp/dcp_adapter.py).
+  dcp/adapter.py).
 
 Threads: ``checkpointer``, ``coordination_group`` and ``local_ranks`` are written on the training thread only
 (the group is made and destroyed collectively, by every rank together); the worker thread reads them. The gc

@@ -59,7 +59,7 @@ def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DE
     """``torch.save(obj)`` into ``path`` through the store's ``Store.write_file``: every checkpoint file this
     package writes with ``torch.save`` passes here. Local disks: ``progress`` is told how far the bytes are in
     the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`); ``recycle(path)`` may put an
-    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tier_spares.py)."""
+    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tiered/spares.py)."""
     loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream), tuning, progress=progress,
                          recycle=recycle)
 

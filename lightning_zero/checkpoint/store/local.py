@@ -86,7 +86,7 @@ class LocalStore(Store):
         """One file, fsynced. ``progress`` is told how far the
         bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`);
         ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after ([Note: spare tier
-        files] in tier_spares.py)."""
+        files] in tiered/spares.py)."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         over = recycle is not None and recycle(path)
         with open(path, "r+b" if over else "wb") as f:

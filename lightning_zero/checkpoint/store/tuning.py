@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class CheckpointTuning:
     write_threads: int = 2
     """Writer threads, each with its own file, per rank of a ``sharded`` save ([Note: parallel writes]
-    in dcp_adapter.py)."""
+    in dcp/adapter.py)."""
     max_read_threads: int = 4
     """Reader threads per rank of a ``sharded`` load at most; fewer when the node's ranks share few CPUs
     (``dcp_adapter.read_threads``)."""
@@ -26,7 +26,7 @@ class CheckpointTuning:
     """Local files: drop written pages from the page cache once they are on disk ([Note: drop behind])."""
     pause_gc: bool = True
     """Pause Python's cyclic collector while DCP plans and while ``.metadata`` is unpickled ([Note: no
-    collections while planning] in dcp_adapter.py)."""
+    collections while planning] in dcp/adapter.py)."""
 
     def __post_init__(self) -> None:
         for name in ("write_threads", "max_read_threads", "writeback_bytes"):

@@ -41,7 +41,8 @@ from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError
 from lightning_zero.checkpoint.runtime.team import all_gather_objects
 from lightning_zero.checkpoint.store import cleanup, file_io, storage
 from lightning_zero.checkpoint.store.storage import Location
-from lightning_zero.checkpoint.tiered import replication, tier_spares
+from lightning_zero.checkpoint.tiered import replication
+from lightning_zero.checkpoint.tiered import spares as tier_spares
 
 TIER_KEY = "tier"
 """The marker field of a local-tier checkpoint (see [Note: tier layout])."""

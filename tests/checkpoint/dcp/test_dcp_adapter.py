@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from lightning_zero.checkpoint import load, save
-from lightning_zero.checkpoint.dcp.dcp_adapter import FlatChunk
+from lightning_zero.checkpoint.dcp.adapter import FlatChunk
 from lightning_zero.checkpoint.formats.tree import FlatShard
 from lightning_zero.sharding import EvenShard
 
@@ -55,7 +55,7 @@ def test_a_sharded_checkpoint_reads_back_with_plain_dcp_into_full_tensors(single
 def test_reads_split_into_runs_of_about_equal_bytes_covering_every_item_once() -> None:
     from types import SimpleNamespace
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import split_reads
+    from lightning_zero.checkpoint.dcp.adapter import split_reads
 
     lengths = {("f1", 0): 100, ("f1", 100): 100, ("f0", 0): 50, ("f0", 50): 250, ("f1", 200): 10}
     storage = {key: SimpleNamespace(relative_path=key[0], offset=key[1], length=n) for key, n in lengths.items()}
@@ -72,7 +72,7 @@ def test_reads_split_into_runs_of_about_equal_bytes_covering_every_item_once() -
 
 def test_repeated_saves_of_one_tree_reuse_the_global_plan_and_a_changed_tree_replans(
         single_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_zero.checkpoint.dcp import dcp_adapter
+    from lightning_zero.checkpoint.dcp import adapter as dcp_adapter
 
     global_plans = []
     original = dcp_adapter.FlatChunkSavePlanner._create_global_plan
@@ -108,7 +108,7 @@ def test_repeated_saves_of_one_tree_reuse_the_global_plan_and_a_changed_tree_rep
 
 
 def test_plan_cache_keys_differ_per_team_dedup_rule_and_any_rank_s_dtypes() -> None:
-    from lightning_zero.checkpoint.dcp.dcp_adapter import plan_cache_key, tree_signature
+    from lightning_zero.checkpoint.dcp.adapter import plan_cache_key, tree_signature
 
     fp32 = tree_signature({"w": FlatChunk(torch.zeros(3), 6, 0), "b": torch.zeros(2)})
     bf16 = tree_signature({"w": FlatChunk(torch.zeros(3, dtype=torch.bfloat16), 6, 0), "b": torch.zeros(2)})
@@ -121,7 +121,7 @@ def test_plan_cache_keys_differ_per_team_dedup_rule_and_any_rank_s_dtypes() -> N
 def test_a_new_key_drops_the_team_s_previous_plans() -> None:
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from lightning_zero.checkpoint.dcp.dcp_adapter import forget_other_plans, plan_cache_key
+    from lightning_zero.checkpoint.dcp.adapter import forget_other_plans, plan_cache_key
 
     old = plan_cache_key((5, 6), False, [1, 1])
     SavePlanner._cached_metadata[old] = "cached"
@@ -162,7 +162,7 @@ def test_a_tree_that_changed_on_one_rank_only_is_planned_afresh_by_every_rank(tm
 def test_a_load_reads_and_unpickles_metadata_once(single_rank_group: None, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # The load checks .metadata (save id, keys) before DCP reads it again: one read serves both.
-    from lightning_zero.checkpoint.dcp import dcp_integrity
+    from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
 
     path = str(tmp_path / "c.ckpt")
     save({"w": FlatShard(torch.arange(12.0), (3, 4), 0, 1), "b": torch.full((2,), 7.0)}, path, mode="sharded")
@@ -237,8 +237,8 @@ def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypa
 
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-    from lightning_zero.checkpoint.dcp import dcp_integrity
-    from lightning_zero.checkpoint.dcp.dcp_adapter import FlatChunkLoadPlanner, FlatChunkSavePlanner
+    from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
+    from lightning_zero.checkpoint.dcp.adapter import FlatChunkLoadPlanner, FlatChunkSavePlanner
 
     enabled: dict[str, bool] = {}
     monkeypatch.setattr(DefaultSavePlanner, "create_global_plan",

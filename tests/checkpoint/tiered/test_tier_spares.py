@@ -1,4 +1,4 @@
-"""A local tier's spare files ([Note: spare tier files] in checkpoint/tiered/tier_spares.py): retired checkpoints'
+"""A local tier's spare files ([Note: spare tier files] in checkpoint/tiered/spares.py): retired checkpoints'
 files are written over by the next saves, cut to length, and deleted at the end of fit."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning_cases import NetModule, loader
 
 from lightning_zero import LocalTier, ZeroCheckpointIO, ZeroLowLevelStrategy
 from lightning_zero.checkpoint.store import file_io, storage
-from lightning_zero.checkpoint.tiered import tier_spares
+from lightning_zero.checkpoint.tiered import spares as tier_spares
 from lightning_zero.checkpoint.tiered.tiers import tier_markers
 
 

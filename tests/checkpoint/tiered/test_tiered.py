@@ -266,7 +266,7 @@ def test_a_local_tier_checkpoint_that_fails_to_load_is_recorded_as_the_durable_o
 
 def test_a_checkpoint_loaded_in_place_of_the_chosen_one_counts_its_steps_lost_from_itself():
     from lightning_zero.checkpoint.lightning.resume import as_loaded
-    from lightning_zero.checkpoint.tiered.tier_recovery import TierChoice
+    from lightning_zero.checkpoint.tiered.recovery import TierChoice
 
     chosen = TierChoice("/tier/step=8.ckpt", "local", "/durable/step=5.ckpt", "local tier: newest", step=8,
                         resharded_from=4, steps_lost=1)

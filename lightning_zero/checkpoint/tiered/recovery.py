@@ -11,7 +11,7 @@ whose own directory lacks its file (its node lost its storage) receives it, and 
 lowest rank holding a copy, over the coordination group, writes both into its own directory and checks
 the copy's CRCs, so the load that follows reads local files only and the node holds its copy again.
 Saved at another one, it is resharded from the nodes holding it ([Note: fast-tier reshard] in
-tier_reshard.py). A damaged or unreadable copy found either way drops that checkpoint, with one warning
+tiered/reshard.py). A damaged or unreadable copy found either way drops that checkpoint, with one warning
 naming the rank, the file and the reason, and the choice is made again among the rest: an older local
 one, else the durable one. Rank 0 logs the choice and the reason.
 """
@@ -30,7 +30,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_zero.checkpoint.modes import local
 from lightning_zero.checkpoint.runtime.team import all_gather_objects, make_team, set_up_coordination
 from lightning_zero.checkpoint.store import file_io, storage
-from lightning_zero.checkpoint.tiered import replication, tier_reshard
+from lightning_zero.checkpoint.tiered import replication
+from lightning_zero.checkpoint.tiered import reshard as tier_reshard
 from lightning_zero.checkpoint.tiered.tiers import TIER_KEY, LocalTier, order_key, tier_markers
 
 

@@ -24,7 +24,7 @@ from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
 class _ChecksummingStream:
     """A data file's write stream that splits what passes through into segments at every ``tell()``
     (unless ``segments`` is None: ``checksums_disabled()``), records a failed write in ``errors``
-    and stops writing once any file of the save has failed ([Note: parallel writes] in dcp_adapter.py).
+    and stops writing once any file of the save has failed ([Note: parallel writes] in dcp/adapter.py).
 
     DCP's ``_write_item`` calls ``tell()`` right before and right after each item, so the segments
     between consecutive ``tell()`` calls are exactly the items; their CRCs are kept by start offset.
@@ -110,7 +110,7 @@ class _ChecksummingFileSystem:
             with self._inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        # [Note: parallel writes] in dcp_adapter.py: raised here, a failure would end a DCP writer
+        # [Note: parallel writes] in dcp/adapter.py: raised here, a failure would end a DCP writer
         # thread silently, or end the calling thread's part while the others still write. It is
         # kept instead, and write_data raises it once every thread is done.
         opened = False
@@ -188,7 +188,7 @@ def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) 
 
 def check_every_item_written(items: list[Any], results: list[Any]) -> None:
     """Raise unless DCP's writer returned a result for every planned item: a writer thread that
-    failed outside a stream leaves only a gap in the results ([Note: parallel writes] in dcp_adapter.py)."""
+    failed outside a stream leaves only a gap in the results ([Note: parallel writes] in dcp/adapter.py)."""
     written = {result.index for result in results}
     missing = [item.index.fqn for item in items if item.index not in written]
     if missing:
@@ -260,7 +260,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def unpickle_metadata(raw: bytes, url: str, pause_gc: bool = True) -> Any:
     """DCP's ``.metadata`` of checkpoint ``url`` from its bytes, with :class:`_MetadataUnpickler` and
-    the collector paused ([Note: no collections while planning] in dcp_adapter.py: 1.2M records at
+    the collector paused ([Note: no collections while planning] in dcp/adapter.py: 1.2M records at
     1024 ranks); a clear error when the bytes are not DCP metadata."""
     from torch.distributed.checkpoint.metadata import StorageMeta
 

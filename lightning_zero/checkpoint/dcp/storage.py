@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_zero.checkpoint.dcp import dcp_integrity
-from lightning_zero.checkpoint.dcp.dcp_adapter import parallel_reads
+from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
+from lightning_zero.checkpoint.dcp.adapter import parallel_reads
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import CheckpointTuning
 
