@@ -88,7 +88,7 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.formats.tree import is_tensor_leaf, map_leaves, walk
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.engine.optimizer import ZeroOptimizer
 
 RAW_WRITE_CHUNK = 64 * MIB
 MAX_STEPS_DURING_WRITE = 6
@@ -594,7 +594,7 @@ def matches_saved_shards(tree: Any, expected: list[dict[str, str]]) -> bool:
     """(collective) Whether the loaded tensors equal, byte for byte, what the saving ranks held:
     every loaded shard is gathered to rank 0, which cuts the full tensor at the saving world
     size's shard boundaries and compares digests. The answer is rank 0's."""
-    from lightning_zero.sharding import EvenShard
+    from lightning_zero.engine.sharding import EvenShard
 
     saved_ws = len(expected)
     ok = True

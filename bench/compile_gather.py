@@ -1,5 +1,5 @@
 """What a compiled model costs the parameter-gather overlap ([Note: compiled reads] in
-lightning_zero/param_gather.py): step time of one ZeRO-2 engine's model run four ways, side by side.
+lightning_zero/engine/param_gather.py): step time of one ZeRO-2 engine's model run four ways, side by side.
 
 - ``eager overlapped``: the default; the gathers of a step overlap the next forward.
 - ``eager in step``: ``overlap_param_gather=False``; every gather ends inside the step.

@@ -68,9 +68,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import AdamW, Optimizer
 
-from lightning_zero.comm_pool import MAX_IN_FLIGHT
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 METHODS = ("ddp", "zero1", "zero2", "ddp+zero_redundancy", "fsdp_shard_grad_op")
@@ -80,7 +80,7 @@ HYBRID = f"zero2_hybrid{HYBRID_SHARD_GROUP_SIZE}"
 GRADS_KEPT = "zero2_grads_kept"
 """ZeRO-2 with ``release_grad_shards=False``: the gradient shards stay allocated between steps (an
 A/B row, only with ``--methods``: what freeing them costs in step time, [Note: gradient shards
-between steps] in grad_bucket.py)."""
+between steps] in engine/grad_bucket.py)."""
 
 
 def methods_for(world_size: int, selected: Sequence[str] = (), peers: bool = False) -> tuple[str, ...]:
@@ -326,7 +326,7 @@ class ZeroMethod(Method):
 
     def background_work(self) -> bool:
         gatherer = self.engine.gatherer
-        thread = gatherer._thread  # the CPU gather program ([Note: gather overlap] in param_gather.py)
+        thread = gatherer._thread  # the CPU gather program ([Note: gather overlap] in engine/param_gather.py)
         return gatherer.pending or (thread is not None and thread.is_alive())
 
     def gather_peak(self) -> int:
@@ -936,7 +936,7 @@ def zero_redundancy_partition(group_numels: Sequence[Sequence[int]], world_size:
 
 
 def even_shard_partition(numels: Sequence[int], world_size: int) -> list[int]:
-    """Elements per rank under our layout (``lightning_zero.sharding.EvenShard``)."""
+    """Elements per rank under our layout (``lightning_zero.engine.sharding.EvenShard``)."""
     return [sum(EvenShard(n, world_size).shard_numel(rank) for n in numels) for rank in range(world_size)]
 
 
@@ -1057,7 +1057,7 @@ def report(settings: BenchSettings, results: list[MethodResult], checks: list[Ch
         " ZeroRedundancyOptimizer's partitioning rule (greedy by size into the least-loaded rank, per"
         " param group; reproduced here and checked equal to the measured partition at"
         f" {', '.join(map(str, world_sizes))} ranks when ddp+zero_redundancy runs) and from"
-        " `lightning_zero.sharding.EvenShard`.",
+        " `lightning_zero.engine.sharding.EvenShard`.",
         "",
         *computed_balance_table(unique_models, world_size=8),
         "",

@@ -1,6 +1,6 @@
 """gloo's all-gather against one in-place broadcast per rank, the way the engine gathers on gloo.
 
-[Note: gloo all-gather] in lightning_zero/_collectives.py says why the engine gathers parameters on gloo
+[Note: gloo all-gather] in lightning_zero/engine/collectives.py says why the engine gathers parameters on gloo
 by broadcasts: gloo's all-gather allocates a flat temporary of its whole output on its worker thread,
 gathers into it and copies it out, and glibc keeps the freed top of that thread's malloc arena resident.
 This script measures both on the same processes, for a model-sized gather (10.27M fp32 elements, the GPT
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from _common import describe_machine, held_bytes, load_average, release_free_memory, run_on_ranks
 
-from lightning_zero import _collectives as comm
+from lightning_zero.engine import collectives as comm
 
 NUMEL = 10_270_000
 """Elements gathered (the parameters of bench/engine.py's GPT)."""

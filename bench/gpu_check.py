@@ -11,7 +11,7 @@ CUDA-only ones print ``SKIP``; ``tests/bench/test_gpu_check.py`` runs it that wa
    over NCCL on a GPU (gloo on CPU), with the parameter gather overlapped.
 2. (CUDA) no host synchronisation in forward (the overlapped gather's waits), backward and
    ``ensure_flushed`` (``torch.cuda.set_sync_debug_mode("error")``), and exactly one in the step:
-   the once-per-step presence read ([Note: presence on the device] in grad_bucket.py).
+   the once-per-step presence read ([Note: presence on the device] in engine/grad_bucket.py).
 3. Step memory at world size 8 (fake process group, one process): the step's peak above its start
    is at most 0.3x the parameters' bytes (CUDA: ``max_memory_allocated``; CPU: peak RSS).
 4. (CUDA) memory between steps at world size 8 (fake process group): ``memory_allocated`` after
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PeakRSS, free_port, release_free_memory  # noqa: E402
 from scale import NarrowLlama, batch, filled_collectives  # noqa: E402
 
-from lightning_zero.comm_pool import MAX_IN_FLIGHT  # noqa: E402
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT  # noqa: E402
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 
 MAX_STEP_PEAK_VS_PARAMS = 0.3
@@ -229,7 +229,7 @@ def check_memory_between_steps() -> str:
     """CUDA allocator statistics around zero2 steps at world size 8 (fake group): between steps
     (after the gathers and ``zero_grad``) the allocated bytes against the ZeRO paper's model states
     (4 bytes of parameter + 16/N of gradient shard, master and AdamW moments per element, fp32),
-    the pool empty ([Note: pool between steps] in comm_pool.py), what the caching allocator keeps
+    the pool empty ([Note: pool between steps] in engine/comm_pool.py), what the caching allocator keeps
     reserved, and the peak of a whole step above the memory between steps."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -416,7 +416,7 @@ def check_nccl_plain_checkpoint_io() -> str:
 def check_fault_tolerance() -> str:
     import subprocess
 
-    from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups
+    from lightning_zero.engine.fault_tolerance import FaultTolerance, ReplicaGroups
 
     lighthouse = Path(sys.executable).with_name("torchft_lighthouse")
     try:

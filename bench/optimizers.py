@@ -9,7 +9,7 @@ alone (what the even split costs without a shape-aware optimizer). Interleaved r
 Per method: the median step time (slowest rank) and its ratio to DDP with the same optimizers; the
 bytes of fp32 masters and optimizer state each rank holds between steps and their balance (max/mean);
 the bytes each rank receives per step for the whole-matrix step ([Note: whole-matrix step] in
-lightning_zero/whole_step.py) beside the gradient bytes one all-reduce of the model moves; the loss
+lightning_zero/engine/whole_step.py) beside the gradient bytes one all-reduce of the model moves; the loss
 after the last step (DDP's and ZeRO's Muon runs must agree).
 
 Usage::

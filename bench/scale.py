@@ -56,10 +56,10 @@ import torch.nn.functional as F
 from _common import describe_machine, load_average
 from torch import Tensor, nn
 
-from lightning_zero import _collectives as comm
-from lightning_zero.comm_pool import MAX_IN_FLIGHT
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine
-from lightning_zero.sharding import EvenShard, assign_buckets
+from lightning_zero.engine.sharding import EvenShard, assign_buckets
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 MIB = 1024 * 1024
@@ -472,7 +472,7 @@ def old_default_bucket_numel(world_size: int, element_size: int) -> int:
 def pool_bytes(numels: Sequence[int], world_size: int, capacity: int, element_size: int) -> int:
     """What the engine's pool holds per rank while a backward or a step runs: ``MAX_IN_FLIGHT`` slots
     of the largest bucket's reduction buffer (``[ws, row + flags]`` plus the reduce-scatter output
-    row, as on NCCL) or gathered buffer, whichever is larger ([Note: buffer pool] in comm_pool.py)."""
+    row, as on NCCL) or gathered buffer, whichever is larger ([Note: buffer pool] in engine/comm_pool.py)."""
     launch_order = list(reversed(numels))
     largest = 0
     for indices in assign_buckets(launch_order, world_size, capacity):
@@ -483,7 +483,7 @@ def pool_bytes(numels: Sequence[int], world_size: int, capacity: int, element_si
 
 def pool_report(world_sizes: Sequence[int]) -> list[str]:
     """Per-rank pool bytes for a 7B-shaped model in bf16, old and new default buckets: computed from
-    the bucket layout the engine builds (:func:`~lightning_zero.sharding.assign_buckets`), not run."""
+    the bucket layout the engine builds (:func:`~lightning_zero.engine.sharding.assign_buckets`), not run."""
     numels, element_size = llama_7b_numels(), 2
     weights_gib = sum(numels) * element_size / 1024**3
     lines = [

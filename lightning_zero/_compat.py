@@ -10,15 +10,13 @@ supported range is measured by ``make test-matrix`` (``COMPATIBILITY.md``). Lowe
 
 - torch 2.9: ``sharded`` saves need :func:`save_planner_caches` (``_cached_metadata``, 2.8) and
   ``enable_plan_caching`` (2.7); loads need :func:`dcp_metadata_path` (2.9); S3 needs the fsspec
-  storage options (2.7); :func:`crc32_in_torch_save` and :func:`device_types` need 2.6.
+  storage options (2.7); :func:`crc32_in_torch_save` and the engine's ``device_types`` need 2.6.
 - Lightning 2.5: Lightning 2.4's CLI cannot merge the demo's ``subclass_mode_model`` hyper-parameters.
 
-Internals used in place, stable for many releases and tested here all the same: ``Tensor._version``
-(grad_bucket.py, engine.py: a parameter replaced in place), ``Module._parameters`` (engine.py),
-``torch.autograd.Variable._execution_engine.queue_callback`` (grad_reducer.py: the end of backward),
-``torch._foreach_mul_`` / ``_foreach_clamp_min_`` / ``_foreach_clamp_max_`` (optimizer.py: clipping),
-and the ``ModelCheckpoint`` methods ``_lightning_fixes.py`` replaces by name
-(``_find_last_checkpoints``, ``_link_checkpoint``, ``setup``) and its ``_fs`` (strategy.py).
+Internals used in place, stable for many releases and tested here all the same: the ``ModelCheckpoint``
+methods ``_lightning_fixes.py`` replaces by name (``_find_last_checkpoints``, ``_link_checkpoint``, ``setup``)
+and its ``_fs`` (strategy.py). The engine's torch internals are in ``lightning_zero/engine/_compat.py``, which
+imports no Lightning.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import inspect
 import re
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -123,20 +120,8 @@ def crc32_in_torch_save() -> bool:
     return bool(torch.serialization.get_crc32_options())
 
 
-def device_types(group: Any) -> list[str]:
-    """``torch.distributed.distributed_c10d._device_capability(group)``: the device types the group's
-    backends serve, e.g. ``["cpu"]`` for gloo (torch 2.6 and later)."""
-    import torch.distributed as dist
-
-    return list(dist.distributed_c10d._device_capability(group))
 
 
-def process_group_timeout(device: str) -> timedelta:
-    """The default group's timeout for its ``device`` backend: ``ProcessGroup._get_backend(device)
-    .options._timeout`` (torch 2.13 and 2.14 tested). Raises when the group has no backend for ``device``."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -144,20 +129,8 @@ def element_size(dtype: torch.dtype) -> int:
     return int(torch._utils._element_size(dtype))
 
 
-def run_at_trace_time(function: Any) -> None:
-    """``torch._dynamo.comptime.comptime(function)``: while ``torch.compile`` traces the calling code,
-    ``function(ctx)`` runs once, at trace time, and nothing of it enters the graph or its guards; called
-    eagerly, nothing runs (torch 2.0 and later; torch 2.13 and 2.14 tested). ``function`` must have no
-    free variables (dynamo refuses closures): a module-level function. Call it only while compiling
-    (``torch.compiler.is_compiling()``), when ``torch._dynamo`` is imported; no import here, since dynamo
-    would have to trace one."""
-    torch._dynamo.comptime.comptime(function)
 
 
-def is_compiled_function(function: Any) -> bool:
-    """Whether ``function`` is what ``torch.compile(fn)`` returned: dynamo's wrapper carries the original
-    as ``_torchdynamo_orig_callable`` (torch 2.0 and later; torch 2.13 and 2.14 tested)."""
-    return hasattr(function, "_torchdynamo_orig_callable")
 
 
 # Lightning --------------------------------------------------------------------------------------
@@ -220,7 +193,7 @@ def restart_training_iterator(trainer: Any) -> None:
 def loop_counters(trainer: Any) -> dict[str, Any]:
     """The fit loop's step counters (Lightning 2.5, 2.6): ``epoch_loop.automatic_optimization.optim_progress``
     (``trainer.global_step`` is its optimizer steps), ``epoch_loop._batches_that_stepped`` (the loggers'
-    step) and ``epoch_progress`` (``current_epoch``), for a heal ([Note: healing] in fault_tolerance.py)."""
+    step) and ``epoch_progress`` (``current_epoch``), for a heal ([Note: healing] in engine/fault_tolerance.py)."""
     loop = trainer.fit_loop
     optim_progress = loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
     for tracker in ("total", "current"):  # read inside a step: its "ready" is not a step taken

@@ -165,7 +165,7 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
     [Note: every sample once across replica groups] Each step takes the next ``participants x K x batch`` samples
     of the order, split as ``DistributedSampler`` splits them over ``participants x K`` ranks (this group's place
     in the quorum, then its rank), where the quorum is the one the batch is fetched under (the last decided
-    step's: [Note: data quorum] in fault_tolerance.py). The batch is drawn when the loop fetches it (the loader's
+    step's: [Note: data quorum] in engine/fault_tolerance.py). The batch is drawn when the loop fetches it (the loader's
     length is known, so Lightning does not read ahead; with workers, the loader does: see the guide). The
     position moves only when a step commits, so a discarded step's samples are drawn again for the next one,
     and a group that joins starts at the position its heal carries. The global batch shrinks and grows with

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import _collectives as comm
+from lightning_zero.engine import collectives as comm
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero.checkpoint import (
     ZeroCheckpointIO,
@@ -55,8 +55,8 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree, plain_fabric_tree
 from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.engine.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
+from lightning_zero.engine.optimizer import ZeroOptimizer
 
 VERSION_KEY = "pytorch-lightning_version"
 """Stamped into every save, as Lightning stamps its checkpoints: the Trainer reads a checkpoint only with it."""
@@ -526,7 +526,7 @@ def register_fabric_strategies() -> None:
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradient accumulation through the engine's ``no_sync``
-    ([Note: accumulation] in engine.py: exact for both stages; stage 2 still reduce-scatters each micro-batch,
+    ([Note: accumulation] in engine/zero_engine.py: exact for both stages; stage 2 still reduce-scatters each micro-batch,
     so that no whole gradient outlives its bucket)."""
 
     def __init__(self, strategy: ZeroLowLevelStrategy) -> None:

@@ -44,8 +44,8 @@ from lightning_zero.checkpoint.lightning.hook_weights import (
 from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
 from lightning_zero.data import keep_data_position
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.fault_tolerance import FaultTolerance
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.engine.fault_tolerance import FaultTolerance
+from lightning_zero.engine.optimizer import ZeroOptimizer
 from lightning_zero.trainer_fault_tolerance import TrainerReplicaGroups
 
 
@@ -358,7 +358,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     def _adopt_module_writes(self, compare_values: bool = True) -> None:
         """Weights written into the module reach the masters ([Note: the module is the truth] in
-        engine.py). Called where Lightning has just run user code between steps."""
+        engine/zero_engine.py). Called where Lightning has just run user code between steps."""
         if self._engine is None:
             return
         self._wait_for_staging()  # a save still copying the masters finishes first
@@ -377,7 +377,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         # After the callbacks' and the module's on_train_epoch_start/on_train_batch_start: where a
         # fine-tuning callback unfreezes a part of the model.
         if self._engine is not None and self._engine_live and self._engine.trainable_changed():
-            self._engine.rebuild()  # [Note: rebuilding] in engine.py
+            self._engine.rebuild()  # [Note: rebuilding] in engine/zero_engine.py
         if self._replica_groups is not None and self._engine_live:
             self._replica_groups.before_batch()
         super().on_train_batch_start(batch, batch_idx)

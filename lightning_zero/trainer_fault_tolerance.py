@@ -1,5 +1,5 @@
 """The Trainer's side of fault tolerance across replica groups ([Note: one step across groups] in
-fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position), what a
+engine/fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position), what a
 discarded step must leave as it was (the trainer's step, the loggers' step, the LR schedulers, the epoch's end),
 how each batch is split across the groups, and which group writes the checkpoints."""
 
@@ -14,8 +14,8 @@ from lightning.pytorch import Trainer
 from lightning_zero import _compat
 from lightning_zero.data import replica_group_samplers
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
-from lightning_zero.optimizer import ZeroOptimizer
+from lightning_zero.engine.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
+from lightning_zero.engine.optimizer import ZeroOptimizer
 
 
 class TrainerReplicaGroups:
@@ -34,7 +34,7 @@ class TrainerReplicaGroups:
         self._engine: ZeroEngine | None = None
 
     def serve(self, engine: ZeroEngine) -> None:
-        """What a heal transfers ([Note: healing] in fault_tolerance.py), and the commit decision before each
+        """What a heal transfers ([Note: healing] in engine/fault_tolerance.py), and the commit decision before each
         update (after the staging fence the strategy registered first)."""
         self._engine = engine
         self.groups.register_state("engine", lambda: engine_state(engine), lambda state: load_engine_state(engine, state))

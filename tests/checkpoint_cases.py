@@ -389,7 +389,7 @@ def repeated_sharded_saves(rank: int, world_size: int, root: str) -> tuple[int, 
     coordinator computed, whether both loads equal what was saved). [Note: cached save plans]"""
     from lightning_zero.checkpoint.dcp import adapter as dcp_adapter
     from lightning_zero.checkpoint.formats.tree import FlatShard
-    from lightning_zero.sharding import EvenShard
+    from lightning_zero.engine.sharding import EvenShard
 
     planned = []
     original = dcp_adapter.FlatChunkSavePlanner._create_global_plan
@@ -427,7 +427,7 @@ def asymmetric_tree_saves(rank: int, world_size: int, root: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
 
     from lightning_zero.checkpoint.formats.tree import FlatShard
-    from lightning_zero.sharding import EvenShard
+    from lightning_zero.engine.sharding import EvenShard
 
     layout = EvenShard(10, world_size)
     dtypes = []

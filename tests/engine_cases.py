@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero import _collectives as comm
+from lightning_zero.engine import collectives as comm
 
 
 class Net(nn.Module):
@@ -351,7 +351,7 @@ def _deep_step(model: Deep, engine: ZeroEngine, step: int, rank: int, world_size
 
 def run_gather_overlap(rank: int, world_size: int, steps: int = 4) -> dict[str, Any]:
     """The same training with the gathers overlapped and not, plus what each forced read sees."""
-    from lightning_zero.comm_pool import MAX_IN_FLIGHT
+    from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 
     model, engine = _deep_engine(overlap_param_gather=True)
     plain_model, plain_engine = _deep_engine(overlap_param_gather=False)
@@ -419,7 +419,7 @@ def deep_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
 def run_memory_bounds(rank: int, world_size: int, stage: int, steps: int = 3) -> dict[str, Any]:
     """Which buffers the collectives of backward and step write (per step), and what the pool holds
     while the step's gathers run and once they are finished (between steps)."""
-    from lightning_zero import _collectives as comm
+    from lightning_zero.engine import collectives as comm
 
     model, engine = _deep_engine(overlap_param_gather=True, stage=stage)
     seen: dict[str, list[tuple[int, int]]] = {"gather": [], "reduce": []}
@@ -565,7 +565,7 @@ def run_collective_mid_step(rank: int, world_size: int, steps: int, shared_group
     default group as well, to show what the dedicated group prevents."""
     import torch.distributed as dist
 
-    from lightning_zero import engine as engine_module
+    from lightning_zero.engine import zero_engine as engine_module
 
     patch = mock.patch.object(engine_module, "_gather_group", lambda group, *_: group)
     with patch if shared_group else contextlib.nullcontext():
@@ -682,7 +682,7 @@ def run_gather_peer_stops_answering(rank: int, world_size: int, wait_seconds: fl
     """Two steps' forward and backward trained together; then rank 1 stops answering (it sleeps past rank 0's
     bound on a wait, then leaves) instead of stepping, while rank 0 steps: rank 0's overlapped gathers wait
     for rank 1's rows, and its next parameter read must fail with the named cause once the bound has passed,
-    not wait for the peer forever ([Note: bounded waits] in _collectives.py; on gloo the gathers are
+    not wait for the peer forever ([Note: bounded waits] in engine/collectives.py; on gloo the gathers are
     broadcasts, [Note: gloo all-gather])."""
     import time
     from datetime import timedelta

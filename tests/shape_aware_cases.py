@@ -199,7 +199,7 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 def run_zero(rank: int, world_size: int, run: Run) -> dict[str, Any]:
     from unittest import mock
 
-    from lightning_zero import whole_step
+    from lightning_zero.engine import whole_step
 
     model, engine = build(run, rank)
     with mock.patch.object(whole_step, "MASTERS_FROM_MODULE", not run.gather_masters):

@@ -260,3 +260,72 @@ def test_a_backend_is_a_module_of_store_and_one_row_of_its_registry() -> None:
     from lightning_zero.checkpoint.store.registry import BACKENDS
 
     assert {opener.__module__.rsplit(".", 1)[0] for opener in BACKENDS.values()} == {"lightning_zero.checkpoint.store"}
+
+
+def _engine_breaks(name: str, imported: set[str]) -> list[str]:
+    """What an engine module imports that the engine must not: Lightning, or any of this package outside
+    ``lightning_zero.engine`` (the checkpoint package, the front ends, the Lightning side's ``_compat``)."""
+    if not name.startswith("lightning_zero.engine"):
+        return []
+    return sorted(f"{name} imports {target}" for target in imported
+                  if target.split(".")[0] == "lightning"
+                  or (target.startswith("lightning_zero") and not target.startswith("lightning_zero.engine")))
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` names in an import statement, this package's and others' (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found |= {node.module or ""} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_engine_imports_neither_lightning_nor_the_checkpoint_package() -> None:
+    engine = {name: path for name, path in _modules().items() if name.startswith("lightning_zero.engine")}
+    assert len(engine) > 5  # the package is where the check looks
+    assert [b for name, path in sorted(engine.items()) for b in _engine_breaks(name, _all_imports(path))] == []
+
+
+def test_the_engine_check_finds_lightning_and_the_checkpoint_package() -> None:
+    imports = {"torch", "lightning.pytorch", "lightning_zero.checkpoint.saver", "lightning_zero.engine.sharding"}
+    assert _engine_breaks("lightning_zero.engine.optimizer", imports) == [
+        "lightning_zero.engine.optimizer imports lightning.pytorch",
+        "lightning_zero.engine.optimizer imports lightning_zero.checkpoint.saver"]
+
+
+def test_the_engine_trains_with_lightning_and_the_checkpoint_package_blocked(tmp_path: Path) -> None:
+    """``lightning_zero.engine`` imported where ``lightning`` cannot be: one gloo rank's ZeRO-2 AdamW steps
+    equal plain AdamW's, and neither Lightning nor the checkpoint package was imported."""
+    import subprocess
+    import sys
+
+    program = f"""
+import sys
+sys.modules["lightning"] = None  # an import of it raises ImportError
+import torch, torch.distributed as dist
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+plain.load_state_dict(model.state_dict())
+engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], ZeroConfig(stage=2))
+reference = torch.optim.AdamW(plain.parameters(), lr=0.01)
+for step in range(3):
+    x = torch.randn(5, 8)
+    for net, opt in ((model, engine.optimizers[0]), (plain, reference)):
+        net(x).square().mean().backward(); opt.step(); opt.zero_grad()
+engine.close()
+for a, b in zip(model.parameters(), plain.parameters()):
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "lightning" or m.startswith("lightning_zero.checkpoint"))
+print("loaded:", loaded)
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded: ['lightning']" in done.stdout, done.stdout  # only the blocking entry itself

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from lightning_zero import _compat
+from lightning_zero.engine import _compat as engine_compat
 
 # -- versions -----------------------------------------------------------------------------------
 
@@ -120,7 +121,7 @@ def test_crc32_in_torch_save_follows_torch_setting() -> None:
 
 
 def test_device_types_of_a_gloo_group(single_rank_group: None) -> None:
-    types = _compat.device_types(dist.group.WORLD)
+    types = engine_compat.device_types(dist.group.WORLD)
     assert "cpu" in types and all(isinstance(t, str) for t in types)  # gloo also registers for cuda
 
 
@@ -130,7 +131,7 @@ def test_process_group_timeout_of_the_cpu_backend() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=123))
     try:
-        assert _compat.process_group_timeout("cpu") == timedelta(seconds=123)
+        assert engine_compat.process_group_timeout("cpu") == timedelta(seconds=123)
     finally:
         dist.destroy_process_group()
 
@@ -156,7 +157,7 @@ def test_run_at_trace_time_runs_once_while_tracing_and_never_in_the_graph() -> N
 
     def double(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            _compat.run_at_trace_time(_note_trace)
+            engine_compat.run_at_trace_time(_note_trace)
         return x * 2
 
     compiled = torch.compile(double, backend=backend, fullgraph=True)
@@ -170,8 +171,8 @@ def test_run_at_trace_time_runs_once_while_tracing_and_never_in_the_graph() -> N
 
 def test_is_compiled_function_tells_what_torch_compile_returned() -> None:
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
-    assert not _compat.is_compiled_function(optimizer.step)
-    assert _compat.is_compiled_function(torch.compile(optimizer.step, backend="eager"))
+    assert not engine_compat.is_compiled_function(optimizer.step)
+    assert engine_compat.is_compiled_function(torch.compile(optimizer.step, backend="eager"))
 
 
 def test_tensor_version_counter_counts_in_place_writes() -> None:

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from lightning_zero._compat import persistent_buffers
 from lightning_zero.checkpoint.formats.tree import FlatShard
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.grad_bucket import ShardedParam
-from lightning_zero.optimizer import ZeroOptimizer
-from lightning_zero.whole_step import is_split_state
+from lightning_zero.engine.grad_bucket import ShardedParam
+from lightning_zero.engine.optimizer import ZeroOptimizer
+from lightning_zero.engine.whole_step import is_split_state
 
 
 def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
@@ -31,7 +31,7 @@ def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
 
 def _is_sharded_state(key: str, value: Any, sp: ShardedParam) -> bool:
     """Optimizer state shaped like the master shard is sharded; scalars (Adam's step) are not. A
-    shape-aware optimizer's state says by its key ([Note: whole-matrix step] in whole_step.py): its
+    shape-aware optimizer's state says by its key ([Note: whole-matrix step] in engine/whole_step.py): its
     whole values (Adafactor's row factor) may be 1-D too."""
     if sp.shape_aware:
         return key in sp.split_state_keys
@@ -90,7 +90,7 @@ def module_meta(module: nn.Module) -> dict[str, Any]:
     """What a reader without the module needs to rebuild ``state_dict`` and a Hugging Face folder.
 
     It walks every parameter and calls ``state_dict()``, which waits for the parameter all-gathers
-    still in flight (see [Note: guarded parameter reads] in engine.py): computed during training it
+    still in flight (see [Note: guarded parameter reads] in engine/zero_engine.py): computed during training it
     would end the overlap of every step that saves, so ZeroLowLevelStrategy computes it once at setup."""
     names = {id(p): fqn for fqn, p in module.named_parameters()}
     aliases = {fqn: names[id(p)] for fqn, p in module.named_parameters(remove_duplicate=False)

@@ -17,7 +17,7 @@ from checkpoint_cases import assert_same_state, fit
 from hybrid_cases import load_hybrid, save_and_load_by_group, save_hybrid
 
 from lightning_zero.checkpoint.store import storage
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 SAVES = {"N2xR2": (4, 2), "N4xR1": (4, None)}
 

@@ -17,7 +17,7 @@ import torch
 from _dist import run_distributed
 from engine_cases import Case, run_device_audit, run_reference
 
-from lightning_zero import _collectives as comm
+from lightning_zero.engine import collectives as comm
 
 WORLD_SIZE = 2
 

@@ -1,10 +1,10 @@
 """``trainer.fit(torch.compile(module))`` under zero1 and zero2 against ddp, 2 CPU processes: the same number
 of graphs as ddp (one), none compiled after the first step although the parameter gathers of each step
-overlap into the next ([Note: compiled reads] in param_gather.py), the weights of ddp bit for bit (with the
+overlap into the next ([Note: compiled reads] in engine/param_gather.py), the weights of ddp bit for bit (with the
 "eager" backend, which counts graphs cheaply, and once with inductor), and a resume from a compiled run's
 checkpoint that continues it exactly. The optimizer's own step compiled (``optimizer.step =
 torch.compile(optimizer.step)``) steps the master shards in one graph, as it steps DDP's parameters;
-compiling the engine's ``ZeroOptimizer.step`` is refused ([Note: compiled optimizer step] in optimizer.py).
+compiling the engine's ``ZeroOptimizer.step`` is refused ([Note: compiled optimizer step] in engine/optimizer.py).
 
 Bit for bit, not within a tolerance: with 2 ranks every reduction adds the same two numbers (gloo's
 all-reduce under ddp, the reduce-scatter or all-reduce of the engine), and AdamW updates each element on

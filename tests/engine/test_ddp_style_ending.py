@@ -1,6 +1,6 @@
 """A functional loop that ends as DDP loops end (ddp_style_ending.py): a rank that destroys the process group,
 or exits, after ``opt.step()`` without ``engine.close()`` leaves no peer failing in a half-done parameter gather,
-and every rank exits 0 ([Note: gathers outlive no group] in lightning_zero/param_gather.py)."""
+and every rank exits 0 ([Note: gathers outlive no group] in lightning_zero/engine/param_gather.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from engine_cases import (
     run_reference_with_state,
 )
 
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 WORLD_SIZES = (1, 2, 3)
 

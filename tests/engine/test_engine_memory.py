@@ -1,7 +1,7 @@
 """Bounded memory of the engine's communication: at most MAX_IN_FLIGHT full-size bucket
 buffers, shared by the reductions of a backward and the gathers of its step, and none kept
-between steps ([Note: pool between steps] in comm_pool.py); and between steps, nothing but the
-master shards and the optimizer state ([Note: gradient shards between steps] in grad_bucket.py).
+between steps ([Note: pool between steps] in engine/comm_pool.py); and between steps, nothing but the
+master shards and the optimizer state ([Note: gradient shards between steps] in engine/grad_bucket.py).
 
 Before this bound, every bucket's gathered buffer lived until the last gather finished: the
 step's peak grew by a whole copy of the parameters. The collectives are watched directly (which
@@ -17,7 +17,7 @@ import pytest
 from _dist import run_distributed
 from engine_cases import run_memory_between_steps, run_memory_bounds
 
-from lightning_zero.comm_pool import MAX_IN_FLIGHT
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 
 WORLD_SIZE = 2
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lightning_zero import FaultTolerance
-from lightning_zero.fault_tolerance import FT_EXTRA, import_torchft
+from lightning_zero.engine.fault_tolerance import FT_EXTRA, import_torchft
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroEngine
-from lightning_zero.grad_bucket import GradBucket, PresenceCounts
-from lightning_zero.grad_reducer import ReduceState
-from lightning_zero.sharding import HybridLayout
+from lightning_zero.engine.grad_bucket import GradBucket, PresenceCounts
+from lightning_zero.engine.grad_reducer import ReduceState
+from lightning_zero.engine.sharding import HybridLayout
 
 
 def _engine(stage: int) -> tuple[nn.Linear, ZeroEngine]:

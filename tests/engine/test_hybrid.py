@@ -16,7 +16,7 @@ from engine_cases import Case, initial_model, run_reference_with_state
 from hybrid_cases import run_hybrid_cases
 
 from lightning_zero import ZeroConfig, ZeroLowLevelStrategy
-from lightning_zero.sharding import EvenShard, HybridLayout, check_shard_group_size
+from lightning_zero.engine.sharding import EvenShard, HybridLayout, check_shard_group_size
 
 WORLD_SIZE = 4
 LAYOUTS = {"2x2": 2, "1x4": 4, "4x1": 1}

@@ -35,8 +35,8 @@ from shape_aware_cases import (
 
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroEngine, register_optimizer
-from lightning_zero.optimizer_kinds import optimizer_kind
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.optimizer_kinds import optimizer_kind
+from lightning_zero.engine.sharding import EvenShard
 
 SHAPE_AWARE = ("muon-adamw", "muon-nesterov-off", "adafactor", "trust-ratio")
 RUNS: dict[str, Run] = {
@@ -252,7 +252,7 @@ def refused_before_any_collective(rank: int, world_size: int) -> dict[str, Any]:
     """Build an engine over AdamW and LBFGS with every collective watched."""
     import torch.distributed as dist
 
-    from lightning_zero import _collectives as comm
+    from lightning_zero.engine import collectives as comm
 
     calls: list[str] = []
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_zero._collectives import copy_flat_to_rows, copy_rows_to_flat
-from lightning_zero.sharding import EvenShard, assign_buckets
+from lightning_zero.engine.collectives import copy_flat_to_rows, copy_rows_to_flat
+from lightning_zero.engine.sharding import EvenShard, assign_buckets
 
 numels = st.integers(min_value=0, max_value=5000)
 world_sizes = st.integers(min_value=1, max_value=64)

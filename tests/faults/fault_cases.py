@@ -36,7 +36,7 @@ def sharded_tree(rank: int, world_size: int, value: float, numel: int = 1000,
                  big_numel: int = 0) -> dict[str, Any]:
     """This rank's part of a tree of flat shards (and one replicated tensor); ``big_numel`` adds a
     shard ``big`` between two small ones, for out-of-memory cases."""
-    from lightning_zero.sharding import EvenShard
+    from lightning_zero.engine.sharding import EvenShard
 
     def shard(n: int) -> FlatShard:
         layout = EvenShard(n, world_size)

@@ -142,7 +142,7 @@ def die_inside_the_cross_group_all_reduce(at_step: int, groups: int, trainer_of:
     in, rank 0 launches its first bucket's hop, then kills its whole group (its agent, its workers, itself)."""
     import signal
 
-    from lightning_zero.fault_tolerance import ReplicaGroups
+    from lightning_zero.engine.fault_tolerance import ReplicaGroups
 
     original = ReplicaGroups.all_reduce
 

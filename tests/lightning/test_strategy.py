@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_cases import NetModule, TwoOptimizerModule, ZeroProbe, loader, two_optimizer_reference
 
 from lightning_zero import ZeroLowLevelStrategy
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 DEVICES = 2
 BUCKET_MB = 0.0005  # several buckets even for the tiny Net

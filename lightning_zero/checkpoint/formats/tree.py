@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 
 @dataclass
@@ -21,7 +21,7 @@ class FlatShard:
     exactly the local part of a 1-D DTensor with ``Shard(0)`` placement, so ``sharded`` mode
     saves it as one, and any other world size can read it back.
 
-    Hybrid sharding ([Note: hybrid layout] in sharding.py): ``rank`` and ``world_size`` are the
+    Hybrid sharding ([Note: hybrid layout] in engine/sharding.py): ``rank`` and ``world_size`` are the
     position in and the size of the shard group, and ``replicas`` shard groups hold the same
     split; this rank is in shard group ``replica_rank``. As a DTensor that is the 2-D mesh
     ``(replicas, world_size)`` with placements ``[Replicate(), Shard(0)]``.

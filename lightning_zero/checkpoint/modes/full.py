@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero._collectives import group_device
+from lightning_zero.engine.collectives import group_device
 from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 from lightning_zero.checkpoint.runtime.team import peer_lost

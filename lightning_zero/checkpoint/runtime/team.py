@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_zero._collectives import new_group, peer_failure
+from lightning_zero.engine.collectives import new_group, peer_failure
 from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
 

@@ -47,7 +47,7 @@ from lightning_zero.checkpoint.runtime.team import Team, all_gather_objects, pee
 from lightning_zero.checkpoint.store import file_io, storage
 from lightning_zero.checkpoint.tiered import replication
 from lightning_zero.checkpoint.tiered.tiers import TIER_KEY
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 _TAG_STRIDE = 1 << 16
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from lightning_zero.checkpoint import load, save
 from lightning_zero.checkpoint.dcp.adapter import FlatChunk
 from lightning_zero.checkpoint.formats.tree import FlatShard
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 16])

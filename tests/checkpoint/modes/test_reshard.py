@@ -18,7 +18,7 @@ import torch
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, load_and_gather, save_and_gather
 
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine.sharding import EvenShard
 
 Saved = tuple[Path, dict[str, Any]]
 

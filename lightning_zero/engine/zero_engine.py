@@ -32,18 +32,18 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
-from lightning_zero import _collectives as comm
-from lightning_zero._compat import run_at_trace_time
-from lightning_zero.comm_pool import BufferPool
-from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ShardedParam, adopt_param_writes
-from lightning_zero.grad_reducer import GradReducer
-from lightning_zero.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
-from lightning_zero.optimizer_kinds import optimizer_kind
-from lightning_zero.param_gather import ParamGatherer, compiled_read_traced
-from lightning_zero.sharding import HybridLayout, assign_buckets, check_shard_group_size
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine._compat import run_at_trace_time
+from lightning_zero.engine.comm_pool import BufferPool
+from lightning_zero.engine.grad_bucket import GradBucket, PresenceCounts, ShardedParam, adopt_param_writes
+from lightning_zero.engine.grad_reducer import GradReducer
+from lightning_zero.engine.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
+from lightning_zero.engine.optimizer_kinds import optimizer_kind
+from lightning_zero.engine.param_gather import ParamGatherer, compiled_read_traced
+from lightning_zero.engine.sharding import HybridLayout, assign_buckets, check_shard_group_size
 
 if TYPE_CHECKING:
-    from lightning_zero.fault_tolerance import ReplicaGroups
+    from lightning_zero.engine.fault_tolerance import ReplicaGroups
 
 _MB = 1024 * 1024
 

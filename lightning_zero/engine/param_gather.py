@@ -8,7 +8,7 @@ into the parameters and its slot is free. That program runs by itself, never wai
 training thread: on CUDA it is all enqueued at the step on a side stream (slot reuse is ordered on
 the device, each bucket records an event); on CPU a thread of the gatherer runs it (gloo's wait
 blocks the caller). Reading a parameter through its module waits only for that parameter's bucket
-([Note: guarded parameter reads] in engine.py): Megatron's ``overlap_param_gather``, where a forward
+([Note: guarded parameter reads] in zero_engine.py): Megatron's ``overlap_param_gather``, where a forward
 pre-hook waits for a module's buckets. Iterating parameters (``state_dict``, ``parameters()``),
 the first gradient hook of the next backward (the reductions reuse the slots), the next step,
 clipping, :meth:`ZeroEngine.finish_param_gather` and ``close`` wait for all of them.
@@ -19,10 +19,10 @@ a rank has launched would then depend on how far its forward got. A rank that sk
 between forward and backward) while a rank with the full forward waits for a gather the first one
 never launched, both hang (``test_param_gather`` has this case). Launching independently of the
 forward, in the same order on every rank, on a process group of the gathers' own
-(:func:`lightning_zero.engine._gather_group`), makes the gathers complete whatever else the ranks do.
+(:func:`lightning_zero.engine.zero_engine._gather_group`), makes the gathers complete whatever else the ranks do.
 
 [Note: compiled reads] A ``torch.compile``d forward reads the parameters as graph inputs, fetched at
-each call straight from the module's dicts: the guarded read (engine.py) runs only while dynamo traces,
+each call straight from the module's dicts: the guarded read (zero_engine.py) runs only while dynamo traces,
 never when the graph runs, so a read cannot wait for its bucket there. Tracing the wait instead would
 guard the graph on the gatherer's progress, which differs at every step: a recompilation per step
 until torch's ``recompile_limit``, then an eager forward. So while dynamo traces a guarded read, the
@@ -52,9 +52,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_zero import _collectives as comm
-from lightning_zero.comm_pool import BufferPool
-from lightning_zero.grad_bucket import GradBucket, PendingGather
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.comm_pool import BufferPool
+from lightning_zero.engine.grad_bucket import GradBucket, PendingGather
 
 
 class ParamGatherer:
@@ -82,7 +82,7 @@ class ParamGatherer:
         self.async_op = async_op
         self.background = background  # False: the program runs to its end inside ``start``
         # Fixed here, not read at each launch: every rank must gather every bucket the same way.
-        self.broadcast_sources = comm.broadcast_sources(group)  # [Note: gloo all-gather] in _collectives.py
+        self.broadcast_sources = comm.broadcast_sources(group)  # [Note: gloo all-gather] in collectives.py
         self._queue: list[GradBucket] = []
         self._consumed = 0  # queue entries the training thread has waited for
         self._done: list[threading.Event] = []  # CPU: set by the gather thread per entry

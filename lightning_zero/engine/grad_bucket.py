@@ -4,10 +4,10 @@ Granularity follows FSDP2: a :class:`ShardedParam` owns one parameter's shard on
 ``FSDPParam``; here views into its bucket's flat buffers), a :class:`GradBucket` owns a group of
 parameters that communicate together (as ``FSDPParamGroup``) and the launch and completion of its
 collectives, and :class:`PresenceCounts` holds every communicating bucket's reduced presence flags.
-Who launches which bucket when is :mod:`lightning_zero.grad_reducer` (backward) and
-:mod:`lightning_zero.param_gather` (after the step); the full-size buffers come from
-:mod:`lightning_zero.comm_pool`; the collectives are the stateless functions of
-:mod:`lightning_zero._collectives`.
+Who launches which bucket when is :mod:`lightning_zero.engine.grad_reducer` (backward) and
+:mod:`lightning_zero.engine.param_gather` (after the step); the full-size buffers come from
+:mod:`lightning_zero.engine.comm_pool`; the collectives are the stateless functions of
+:mod:`lightning_zero.engine.collectives`.
 
 [Note: bucket layout] A bucket's communication buffer is ``[shard_size, row_numel + k]``:
 row ``r`` holds, for every parameter of the bucket, its padded chunk ``r`` (so rows are
@@ -48,7 +48,7 @@ bucket's buffer is ``[shard_group_size, ...]`` and its reduction has two hops: t
 shard group, then that row alone (1/N of the bytes, flags included, so presence counts span the
 whole world) is all-reduced across the replica group. The second hop of bucket ``i`` is launched
 once bucket ``i + 1``'s first hop is on its way (:meth:`GradReducer._launch_next
-<lightning_zero.grad_reducer.GradReducer._launch_next>`), so both run during backward; each group
+<lightning_zero.engine.grad_reducer.GradReducer._launch_next>`), so both run during backward; each group
 sees its collectives in bucket order on every rank. Averaging divides by the whole world size.
 """
 
@@ -63,9 +63,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero import _collectives as comm
-from lightning_zero.comm_pool import BufferPool
-from lightning_zero.sharding import EvenShard, HybridLayout
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.comm_pool import BufferPool
+from lightning_zero.engine.sharding import EvenShard, HybridLayout
 
 
 class ReplicaHop(Protocol):
@@ -104,7 +104,7 @@ class ShardedParam:
         self.load_master_from(param.detach())
         # The parameter's autograd version when the master last agreed with it: an in-place write
         # into the parameter (``copy_``, ``load_state_dict``) moves it; the engine's own gathers
-        # write through ``.data`` and do not ([Note: the module is the truth] in engine.py).
+        # write through ``.data`` and do not ([Note: the module is the truth] in zero_engine.py).
         self.adopted_version = param._version
 
     def own_elements(self, full: Tensor) -> Tensor:
@@ -354,7 +354,7 @@ class GradBucket:
         self.advance_reduce()
         assert self.pending is not None
         pending, self.pending = self.pending, None
-        comm.wait(pending.work)  # bounded: see [Note: bounded waits] in _collectives.py
+        comm.wait(pending.work)  # bounded: see [Note: bounded waits] in collectives.py
         scale = 1.0 if self.predivide or self.average_over == 1 else 1.0 / self.average_over
         self._fold_into_grad_shard(pending.output[: self.row_numel], scale)
         self.present_count.add_(pending.output[self.row_numel :])
@@ -375,8 +375,8 @@ class GradBucket:
 
     def launch_all_gather(self, pool: BufferPool, slot: int, group: dist.ProcessGroup | None,
                           async_op: bool, broadcast_sources: Sequence[int] | None = None) -> PendingGather:
-        """``broadcast_sources`` (gloo, :func:`~lightning_zero._collectives.broadcast_sources`): gathered
-        synchronously, row by row (:func:`~lightning_zero._collectives.all_gather_by_broadcasts`);
+        """``broadcast_sources`` (gloo, :func:`~lightning_zero.engine.collectives.broadcast_sources`): gathered
+        synchronously, row by row (:func:`~lightning_zero.engine.collectives.all_gather_by_broadcasts`);
         ParamGatherer runs gloo's gathers on its own thread, so only that thread waits."""
         # For fp32 parameters ``to`` returns the master shard itself (no copy): the gather must
         # be finished before the next inner step writes it (ParamGatherer.finish in the step).
@@ -415,7 +415,7 @@ class PendingGather:
     slot: int
 
     def finish(self, pool: BufferPool) -> None:
-        comm.wait(self.work)  # bounded: see [Note: bounded waits] in _collectives.py
+        comm.wait(self.work)  # bounded: see [Note: bounded waits] in collectives.py
         with torch.no_grad():
             for sp in self.bucket.params:
                 comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)

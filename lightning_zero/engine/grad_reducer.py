@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero import _collectives as comm
-from lightning_zero.comm_pool import BufferPool
-from lightning_zero.grad_bucket import GradBucket, PresenceCounts, ReplicaHop, ShardedParam
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.comm_pool import BufferPool
+from lightning_zero.engine.grad_bucket import GradBucket, PresenceCounts, ReplicaHop, ShardedParam
 
 
 class ReduceState(enum.Enum):
@@ -92,7 +92,7 @@ class GradReducer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip communication for this backward (stage 1 only; see [Note: accumulation] in engine.py)."""
+        """Skip communication for this backward (stage 1 only; see [Note: accumulation] in zero_engine.py)."""
         previous = self._sync_enabled
         self._sync_enabled = self.stage == 2
         try:
@@ -170,7 +170,7 @@ class GradReducer:
 
     def resolve_presence(self) -> None:
         """Drop ``master.grad`` of parameters that got no gradient on any rank (at most one read of the
-        counts per step: :meth:`PresenceCounts.resolve <lightning_zero.grad_bucket.PresenceCounts.resolve>`)."""
+        counts per step: :meth:`PresenceCounts.resolve <lightning_zero.engine.grad_bucket.PresenceCounts.resolve>`)."""
         self.presence.resolve()
 
     def ensure_flushed(self) -> None:

@@ -1,10 +1,10 @@
 """The communication slots: full-size bucket buffers borrowed by the reductions and the gathers.
 
-A bucket's packed gradients (:meth:`~lightning_zero.grad_bucket.GradBucket.launch_reduce`) and its
-gathered parameters (:meth:`~lightning_zero.grad_bucket.GradBucket.launch_all_gather`) are the only
+A bucket's packed gradients (:meth:`~lightning_zero.engine.grad_bucket.GradBucket.launch_reduce`) and its
+gathered parameters (:meth:`~lightning_zero.engine.grad_bucket.GradBucket.launch_all_gather`) are the only
 full-size tensors the engine makes per step; they live in a :class:`BufferPool` of ``MAX_IN_FLIGHT``
-slots per device, shared by :class:`~lightning_zero.grad_reducer.GradReducer` and
-:class:`~lightning_zero.param_gather.ParamGatherer`.
+slots per device, shared by :class:`~lightning_zero.engine.grad_reducer.GradReducer` and
+:class:`~lightning_zero.engine.param_gather.ParamGatherer`.
 
 [Note: buffer pool] A bucket's ``[world_size, row_numel + k]`` buffer lives only from packing
 until its reduction is folded into the shard, and a gathered ``[world_size, row_numel]`` buffer

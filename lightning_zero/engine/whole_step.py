@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero import _collectives as comm
-from lightning_zero.grad_bucket import ShardedParam
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.grad_bucket import ShardedParam
+from lightning_zero.engine.sharding import EvenShard
 
 MASTERS_FROM_MODULE = True
 """Take fp32 parameters' full masters from the module instead of gathering them (False: always gather;

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero import _compat
-from lightning_zero.sharding import EvenShard
+from lightning_zero.engine import _compat
+from lightning_zero.engine.sharding import EvenShard
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

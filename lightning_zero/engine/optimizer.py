@@ -1,10 +1,10 @@
 """The sharded optimizer: the user's optimizer stepping this rank's fp32 master shards.
 
 Step order (ARCHITECTURE.md, "The path of a gradient"): the reductions were already waited for when backward
-ended (:class:`~lightning_zero.grad_reducer.GradReducer`); the closure runs (Lightning's forward and
+ended (:class:`~lightning_zero.engine.grad_reducer.GradReducer`); the closure runs (Lightning's forward and
 backward); the previous step's parameter gathers are finished and the presence of gradients is
 read, once; the pre-update hooks run; clipping uses the global norm; the inner optimizer updates
-the shards; the updated shards' all-gathers are launched (:class:`~lightning_zero.param_gather.ParamGatherer`),
+the shards; the updated shards' all-gathers are launched (:class:`~lightning_zero.engine.param_gather.ParamGatherer`),
 and either finished before ``step`` returns or, with ``overlap_param_gather``, during the next
 forward ([Note: gather overlap] in param_gather.py).
 
@@ -31,13 +31,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero import _collectives as comm
-from lightning_zero._compat import is_compiled_function, run_at_trace_time
-from lightning_zero.grad_bucket import GradBucket, ShardedParam, adopt_param_writes
-from lightning_zero.grad_reducer import GradReducer
-from lightning_zero.optimizer_kinds import updates_each_parameter_alone
-from lightning_zero.param_gather import ParamGatherer
-from lightning_zero.whole_step import WholeParamStep, is_split_state, swap_params
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine._compat import is_compiled_function, run_at_trace_time
+from lightning_zero.engine.grad_bucket import GradBucket, ShardedParam, adopt_param_writes
+from lightning_zero.engine.grad_reducer import GradReducer
+from lightning_zero.engine.optimizer_kinds import updates_each_parameter_alone
+from lightning_zero.engine.param_gather import ParamGatherer
+from lightning_zero.engine.whole_step import WholeParamStep, is_split_state, swap_params
 
 
 class ZeroOptimizer(Optimizer):
@@ -193,7 +193,7 @@ class ZeroOptimizer(Optimizer):
     def adopt_module_writes(self) -> None:
         """Take weights written in place into the module's parameters (``load_state_dict``,
         ``p.copy_``, a callback's transfer) into this optimizer's master shards: one version read per
-        parameter when nothing was written ([Note: the module is the truth] in engine.py)."""
+        parameter when nothing was written ([Note: the module is the truth] in zero_engine.py)."""
         adopt_param_writes(self.sharded_params, compare_values=False)
 
     def register_pre_update_hook(self, hook: Callable[[], None]) -> RemovableHandle:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightning_zero.optimizer import ZeroOptimizer
+    from lightning_zero.engine.optimizer import ZeroOptimizer
 
 FT_EXTRA = 'pip install "lightning-zero[ft]"'
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
