@@ -68,8 +68,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import AdamW, Optimizer
 
-from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
 from lightning_zero.engine.sharding import EvenShard
 
 OUT_DIR = Path(__file__).resolve().parent / "out"

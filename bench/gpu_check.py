@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PeakRSS, free_port, release_free_memory  # noqa: E402
 from scale import NarrowLlama, batch, filled_collectives  # noqa: E402
 
-from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT  # noqa: E402
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
+from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT  # noqa: E402
 
 MAX_STEP_PEAK_VS_PARAMS = 0.3
 

@@ -56,9 +56,9 @@ import torch.nn.functional as F
 from _common import describe_machine, load_average
 from torch import Tensor, nn
 
+from lightning_zero.engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as comm
 from lightning_zero.engine.comm_pool import MAX_IN_FLIGHT
-from lightning_zero.engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine
 from lightning_zero.engine.sharding import EvenShard, assign_buckets
 
 OUT_DIR = Path(__file__).resolve().parent / "out"

@@ -9,7 +9,14 @@ import sys
 try:
     import lightning  # noqa: F401
 except ImportError:  # the engine alone
-    from lightning_zero.engine import EvenShard, FaultTolerance, ZeroConfig, ZeroEngine, ZeroOptimizer, register_optimizer
+    from lightning_zero.engine import (
+        EvenShard,
+        FaultTolerance,
+        ZeroConfig,
+        ZeroEngine,
+        ZeroOptimizer,
+        register_optimizer,
+    )
 
     _FRONT_ENDS = ("DataPosition", "ElasticDistributedSampler", "LocalTier", "ZeroCheckpointIO", "ZeroLowLevelStrategy")
 

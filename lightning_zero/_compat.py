@@ -68,9 +68,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states as sync_
 
 __all__ = [
     "MIN_LIGHTNING", "MIN_TORCH", "NOT_RESUMABLE_WARNING", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save",
-    "dcp_metadata_path", "device_types", "element_size", "fsspec_storage_classes", "lightning_loader",
-    "plain_checkpoint_load", "is_compiled_function", "process_group_timeout", "quiet_not_resumable_warning",
-    "replace_inserted_sampler", "require_supported_versions", "run_at_trace_time", "save_planner_caches",
+    "dcp_metadata_path", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
+    "quiet_not_resumable_warning", "replace_inserted_sampler", "require_supported_versions", "save_planner_caches",
     "save_planner_kwargs", "sync_module_states",
 ]
 

@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import collectives as comm
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero.checkpoint import (
     ZeroCheckpointIO,
@@ -55,7 +54,13 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree, plain_fabric_tree
 from lightning_zero.checkpoint.reader import to_fabric_layout
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
+from lightning_zero.engine import collectives as comm
+from lightning_zero.engine.fault_tolerance import (
+    FaultTolerance,
+    ReplicaGroups,
+    engine_state,
+    load_engine_state,
+)
 from lightning_zero.engine.optimizer import ZeroOptimizer
 
 VERSION_KEY = "pytorch-lightning_version"

@@ -14,7 +14,12 @@ from lightning.pytorch import Trainer
 from lightning_zero import _compat
 from lightning_zero.data import replica_group_samplers
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.engine.fault_tolerance import FaultTolerance, ReplicaGroups, engine_state, load_engine_state
+from lightning_zero.engine.fault_tolerance import (
+    FaultTolerance,
+    ReplicaGroups,
+    engine_state,
+    load_engine_state,
+)
 from lightning_zero.engine.optimizer import ZeroOptimizer
 
 

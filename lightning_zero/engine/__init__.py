@@ -14,7 +14,13 @@ from lightning_zero.engine.fault_tolerance import FaultTolerance
 from lightning_zero.engine.optimizer import ZeroOptimizer
 from lightning_zero.engine.optimizer_kinds import register_optimizer
 from lightning_zero.engine.sharding import EvenShard
-from lightning_zero.engine.zero_engine import DEFAULT_BUCKET_MB, MIN_CHUNK_NUMEL, ZeroConfig, ZeroEngine, dtype_from_name
+from lightning_zero.engine.zero_engine import (
+           DEFAULT_BUCKET_MB,
+           MIN_CHUNK_NUMEL,
+           ZeroConfig,
+           ZeroEngine,
+           dtype_from_name,
+)
 
 __all__ = ["DEFAULT_BUCKET_MB", "MIN_CHUNK_NUMEL", "EvenShard", "FaultTolerance", "ZeroConfig", "ZeroEngine", "ZeroOptimizer",
            "dtype_from_name", "register_optimizer"]

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.engine.collectives import group_device
 from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 from lightning_zero.checkpoint.runtime.team import peer_lost
 from lightning_zero.checkpoint.store import cleanup, file_io
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
+from lightning_zero.engine.collectives import group_device
 
 
 def write_full(state: Any, loc: Location, rank: int, group: Any, save_id: str,

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_zero.engine.collectives import new_group, peer_failure
 from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
+from lightning_zero.engine.collectives import new_group, peer_failure
 
 T = TypeVar("T")
 
