@@ -80,8 +80,8 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier,
-                   plain=plain)
+    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called,
+                   tier=tier, plain=plain)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 

@@ -1,7 +1,9 @@
 """The checkpoint modes, registered once by name: each is one :class:`~.base.CheckpointMode` object, in its own
 module with its writes and reads (:mod:`.local`, :mod:`.sharded`, :mod:`.full`). Nothing outside ``modes/``
-knows a mode's files or compares mode names: it asks the mode object ([Note: modes as objects] in base.py).
-Adding a mode is a module here and one row of :data:`MODES`."""
+compares mode names: it asks the mode object ([Note: modes as objects] in base.py). (The local tier writes and
+reads ``local`` rank files with :mod:`.local`'s functions, and a plain CheckpointIO's file is gathered with
+:mod:`.full`'s: they use one format, whatever the mode.) Adding a mode is a module here and one row of
+:data:`MODES`."""
 
 from __future__ import annotations
 

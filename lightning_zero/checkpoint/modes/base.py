@@ -37,7 +37,8 @@ class SaveTarget:
 
     loc: Location
     version_dir: str
-    """The fresh version directory the coordinator named ("" for a mode without :attr:`CheckpointMode.commits_with_marker`)."""
+    """The fresh version directory the coordinator named ("" where the mode does not
+    :attr:`~CheckpointMode.commits_with_marker`)."""
     team: Team
     save_id: str
     signatures: list[Any]
@@ -68,21 +69,24 @@ class CheckpointMode(ABC):
        returns fills the state (collectively over the team where the mode reads collectively).
 
     (one process, no process group) :meth:`read_whole`: the saved tree with whole tensors (``reader``, ``convert``).
+
+    The front ends branch on the attributes below (which tree a save builds, how a resume reads), never on names.
     """
 
     name: str
     """The name users pass (``ZeroCheckpointIO(mode=...)``) and the commit marker records."""
     commits_with_marker: bool = True
     """Written into a fresh version directory that a commit marker, written last by the coordinator, names;
-    False: one file whose rename commits it (no version directory, no marker)."""
+    False: one file whose rename commits it (no version directory, no marker). (The saver.)"""
     gathers_to_rank0: bool = False
     """Every rank's shards are gathered over the whole world to rank 0, which alone writes: no process group of
-    its own, and nothing of each rank's own shards kept (a local tier cannot start from it)."""
+    its own, and nothing of each rank's own shards kept, so a local tier cannot start from it. (The plugin.)"""
     lightning_format: bool = False
-    """The checkpoint is Lightning's own dict (``state_dict``, ``optimizer_states`` per parameter), written and
-    read whole; False: the engine's tree of flat shards (lightning/lightning_tree.py)."""
+    """The checkpoint is Lightning's own dict (``state_dict``, ``optimizer_states`` per parameter, the module's own
+    parameters), written and read whole; False: the engine's tree of flat shards (lightning/lightning_tree.py).
+    (The trees a save builds, the resume, the readers.)"""
     stages_flat: bool = False
-    """Staged into one flat buffer per dtype, which the rank file packs ([Note: packed rank files])."""
+    """Staged into one flat buffer per dtype, which the rank file packs ([Note: packed rank files]). (The saver.)"""
 
     def __repr__(self) -> str:
         return f"<checkpoint mode {self.name!r}>"
