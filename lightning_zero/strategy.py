@@ -474,7 +474,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             tree = (lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
                     if with_optimizer else lightning_tree.plain_tree(checkpoint, module, self._engine))
             io.save_checkpoint(tree, filepath, storage_options)
-            if io.mode == "full" or not with_optimizer:
+            if lightning_tree.holds_module_parameters(tree):
                 # A full file holds the module's own parameters, which the hooks that run before the next
                 # step may change in place (SWA puts its average in at train end): its copy ends here.
                 # local/sharded hold the masters, which only the fenced update changes.

@@ -329,3 +329,81 @@ dist.destroy_process_group()
                           cwd=PACKAGE.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loaded: ['lightning']" in done.stdout, done.stdout  # only the blocking entry itself
+
+
+MODE_NAMES_ALLOWED = "lightning_zero.checkpoint.modes"
+"""The one package that may compare mode names ([Note: modes as objects] in checkpoint/modes/base.py)."""
+
+
+def _names_a_mode(node: ast.expr) -> bool:
+    """``mode``, ``checkpoint_mode``, ``x.mode``, and a mode's ``.name``."""
+    if isinstance(node, ast.Name):
+        return node.id == "mode" or node.id.endswith("_mode")
+    if isinstance(node, ast.Attribute):
+        return node.attr == "mode" or node.attr.endswith("_mode") or (node.attr == "name" and _names_a_mode(node.value))
+    return False
+
+
+def _holds_a_mode_name(node: ast.expr) -> bool:
+    """A string literal that is a registered mode's name, alone or in a tuple, list or set (a file's open mode,
+    ``"w" in mode``, is no checkpoint mode)."""
+    from lightning_zero.checkpoint.modes import MODES
+
+    if isinstance(node, ast.Constant):
+        return node.value in MODES if isinstance(node.value, str) else False
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_holds_a_mode_name(element) for element in node.elts)
+    return False
+
+
+def _mode_name_comparisons(name: str, source: str) -> list[str]:
+    """Where module ``name`` compares a mode with a mode's name as a literal (``mode == "full"``, ``opened.mode in
+    (...)``, ``match mode: case "local"``): a branch that belongs on the mode object."""
+    if name == MODE_NAMES_ALLOWED or name.startswith(MODE_NAMES_ALLOWED + "."):
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_names_a_mode(o) for o in operands) and any(_holds_a_mode_name(o) for o in operands):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Match) and _names_a_mode(node.subject):
+            cases = [case.pattern for case in node.cases]
+            if any(isinstance(p, ast.MatchValue) and _holds_a_mode_name(p.value) for c in cases for p in ast.walk(c)):
+                found.append(f"{name}:{node.lineno}: match {ast.unparse(node.subject)}")
+    return found
+
+
+def test_no_module_outside_modes_compares_mode_names() -> None:
+    found = [comparison for name, path in sorted(_modules().items())
+             for comparison in _mode_name_comparisons(name, path.read_text())]
+    assert found == []
+
+
+@pytest.mark.parametrize("source", [
+    'if mode == "full":\n    pass', "x = opened.mode != 'sharded'", 'x = self.mode in ("local", "sharded")',
+    'x = "full" == io.mode', 'x = checkpoint_mode.name == "local"', 'x = mode not in ["full"]',
+    'match opened.mode:\n    case "full":\n        pass',
+])
+def test_the_mode_check_finds_a_comparison_of_mode_names(source: str) -> None:
+    assert _mode_name_comparisons("lightning_zero.checkpoint.saver", source)
+
+
+def test_the_mode_check_leaves_other_comparisons_and_modes_alone() -> None:
+    others = ('x = mode == RunningStage.TRAINING\ny = opened.mode.lightning_format\n'
+              'z = checkpoint.get(TREE_TAG) != self.mode\nw = tier == "local"\nv = "w" not in mode\n'
+              '"""mode == \'full\'"""\n')
+    assert _mode_name_comparisons("lightning_zero.checkpoint.saver", others) == []
+    assert _mode_name_comparisons("lightning_zero.checkpoint.modes.full", 'x = mode == "full"') == []
+
+
+def test_a_mode_is_a_module_of_modes_and_one_row_of_its_registry() -> None:
+    # Adding a mode touches modes/ alone: each registered object's class lives in the module named for it, and
+    # implements the whole interface (CheckpointMode is abstract: a missing method fails at registration).
+    from lightning_zero.checkpoint.modes import MODES
+    from lightning_zero.checkpoint.modes.base import CheckpointMode
+
+    assert list(MODES) == ["local", "sharded", "full"]  # the names users pass
+    for name, mode in MODES.items():
+        assert isinstance(mode, CheckpointMode) and mode.name == name
+        assert type(mode).__module__ == f"{MODE_NAMES_ALLOWED}.{name}"

@@ -5,7 +5,8 @@ The package by concern, each layer importing only the ones before it (tests/test
 * ``store/``: where bytes go (one object per kind of store behind a registry, locations, files, write-back);
 * ``formats/``: what they mean (the ZeRO tree, CRCs, DeepSpeed's files);
 * ``dcp/``, ``runtime/``: torch DCP for ``sharded``; the worker thread, staging, coordination, figures;
-* ``modes/``: each mode's writes and reads;
+* ``modes/``: each mode one object (its writes, the load it prepares, its whole read), registered once by name;
+  the verbs and the front ends ask it and never compare mode names;
 * ``tiered/``: the local tier, its replicas, recovery and reshard;
 * the verbs at this level: ``saver`` (when and how a save runs), ``loader`` (the load dispatch), ``opening``
   (what a path holds), ``reader`` (any checkpoint read whole), ``engine_tree`` (the engine's state as a tree),

@@ -12,27 +12,18 @@ Call order (every rank makes each call):
 3. The tensors are copied into ``state`` (``full``/``local``) or DCP's collective read fills them
    (``sharded``, resharded to this world size).
 
+Steps 2 and 3 are the mode's (``opened.mode.prepare_load``: [Note: modes as objects] in modes/base.py).
+
 :mod:`~lightning_zero.checkpoint.saver` writes what this reads; the Lightning resume built on it is
 :mod:`~lightning_zero.checkpoint.lightning.resume`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-import torch
-
-from lightning_zero.checkpoint.formats.tree import (
-    FlatShard,
-    check_same_keys,
-    is_tensor_leaf,
-    refuse_other_shape,
-    shard_group_size_of,
-    walk,
-)
-from lightning_zero.checkpoint.modes import Mode, OpenedCheckpoint, full, local, sharded
+from lightning_zero.checkpoint.modes import Mode, OpenedCheckpoint
 from lightning_zero.checkpoint.opening import open_checkpoint
-from lightning_zero.checkpoint.runtime.team import Team, checked_on_every_rank, make_team, world
+from lightning_zero.checkpoint.runtime.team import Team, checked_on_every_rank, make_team
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
@@ -65,87 +56,25 @@ def load_opened(state_dict: dict[str, Any], opened: OpenedCheckpoint, *, team: T
     """:func:`load` from a checkpoint already opened for this load (``opening.open_checkpoint``, over the
     same ``team``): its marker and ``.metadata`` are not read again."""
     team = team if team is not None else make_team()
-    finish = checked_on_every_rank(lambda: _prepare_load(state_dict, opened, team, strict), opened.loc, team)
+    finish = checked_on_every_rank(lambda: opened.mode.prepare_load(state_dict, opened, team, strict), opened.loc, team)
     return finish()
-
-
-def _prepare_load(state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
-                  strict: bool = True) -> Callable[[], dict[str, Any]]:
-    """Read and check without touching ``state_dict``; returns what completes the load."""
-    loc = opened.loc
-    if opened.mode == "full":
-        content = full.read_full_checked(loc)
-        _check_into(state_dict, content, loc.url, loc.path, strict)
-        return lambda: _copy_into(state_dict, content, loc.url)
-    if opened.mode == "local":
-        content = local.read_local(opened, shard_group_size=shard_group_size_of(state_dict, team.world_size),
-                                   team=team)
-        _check_into(state_dict, content, loc.url, local.rank_file(opened.version_dir, team.rank, team.world_size),
-                    strict)
-        return lambda: _copy_into(state_dict, content, loc.url)
-    return sharded.prepare_sharded(state_dict, opened, team, strict)
 
 
 def saved_tensor_keys(opened: OpenedCheckpoint) -> set[str]:
     """Paths of the tensors a ``local`` or ``sharded`` checkpoint holds (a ``local`` one from
     :func:`~lightning_zero.checkpoint.modes.local.read_own_rank_file`)."""
-    marker = opened.marker
-    if marker is None:
-        raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
-    if opened.mode == "sharded":
-        return set(sharded.read_dcp_metadata(opened.loc, sharded.dcp_reader(opened)).state_dict_metadata)
-    content = local.read_own_rank_file(opened, *world())
-    return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
+    return opened.mode.saved_tensor_keys(opened)
 
 
 def saved_param_groups(opened: OpenedCheckpoint) -> list[list[dict[str, Any]]]:
     """Each saved optimizer's param groups (hyper-parameters, ``params`` as parameter names) of a ``local``
     or ``sharded`` checkpoint, read before the load that follows (a ``local`` rank file stays read ahead)."""
-    objects = sharded.read_objects(opened)[0] if opened.mode == "sharded" else local.read_own_rank_file(opened, *world())
+    objects = opened.mode.saved_objects(opened)
     saved = objects.get("optimizer") or []
     return [list(entry.get("param_groups") or []) for entry in saved]
 
 
 def read_mode(checkpoint_id: str, storage_options: dict[str, Any] | None = None) -> Mode:
     """``local``, ``sharded`` or ``full`` (a file without a commit marker)."""
-    return open_checkpoint(checkpoint_id, storage_options).mode
+    return cast(Mode, open_checkpoint(checkpoint_id, storage_options).mode.name)
 
-
-def _check_into(target: Any, source: Any, url: str, file: str, strict: bool = True) -> None:
-    """Same tensor keys and the same shapes (a flat shard of another shape has the same element count)."""
-    check_same_keys(
-        {"/".join(p) for p, leaf in walk(target) if is_tensor_leaf(leaf)},
-        {"/".join(p) for p, leaf in walk(source) if is_tensor_leaf(leaf)},
-        url,
-        strict,
-    )
-    found = {"/".join(p): leaf for p, leaf in walk(source)}
-    for path, leaf in walk(target):
-        if not is_tensor_leaf(leaf):
-            continue
-        key = "/".join(path)
-        value = found[key]
-        saved_shape = tuple(value.shape)
-        if isinstance(leaf, FlatShard) and isinstance(value, FlatShard):
-            ok = value.shape == leaf.shape and value.local.numel() == leaf.local.numel()
-        else:
-            ok = saved_shape == tuple(leaf.shape)
-        if not ok:
-            refuse_other_shape(key, saved_shape, tuple(leaf.shape), url, file)
-
-
-def _copy_into(target: Any, source: Any, url: str) -> dict[str, Any]:
-    found = {"/".join(p): leaf for p, leaf in walk(source)}
-    with torch.no_grad():
-        for path, leaf in walk(target):
-            if not is_tensor_leaf(leaf):
-                continue
-            value = found["/".join(path)]
-            if isinstance(leaf, FlatShard):
-                if isinstance(value, FlatShard):
-                    leaf.local.copy_(value.local)
-                else:
-                    leaf.load_from_full(value)
-            else:
-                leaf.copy_(value)
-    return source

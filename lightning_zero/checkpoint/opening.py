@@ -19,8 +19,7 @@ from typing import Any
 
 from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
 from lightning_zero.checkpoint.formats import deepspeed_files
-from lightning_zero.checkpoint.modes import OpenedCheckpoint, validate_marker_mode
-from lightning_zero.checkpoint.modes import sharded as sharded_mode
+from lightning_zero.checkpoint.modes import OpenedCheckpoint, marker_mode
 from lightning_zero.checkpoint.runtime.scheduler import checkpointer
 from lightning_zero.checkpoint.runtime.team import Team, from_coordinator
 from lightning_zero.checkpoint.store import storage
@@ -39,12 +38,11 @@ def open_checkpoint(checkpoint: str | Location, storage_options: dict[str, Any] 
 
     def read() -> tuple[dict[str, Any] | None, bytes | None, bool]:
         opened = _open_here(loc, tuning)
-        metadata = sharded_mode.read_metadata_bytes(opened) if opened.mode == "sharded" else None
+        metadata = opened.mode.shared_metadata(opened)
         return opened.marker, metadata, opened.deepspeed
 
     marker, metadata, deepspeed = from_coordinator(read, team, "this checkpoint's commit marker and .metadata")
-    opened = OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
-                              tuning=tuning, deepspeed=deepspeed)
+    opened = OpenedCheckpoint(loc, marker, marker_mode(loc, marker), tuning=tuning, deepspeed=deepspeed)
     if metadata is not None:
         # Unpickled here, once, on every rank (the same bytes fail the same way everywhere).
         opened.metadata = dcp_integrity.unpickle_metadata(metadata, loc.url, opened.tuning.pause_gc)
@@ -57,7 +55,6 @@ def _open_here(loc: Location, tuning: CheckpointTuning) -> OpenedCheckpoint:
     except storage.CheckpointNotFoundError:
         # A folder of DeepSpeed's is read whole, as a full file is; looked for only where no marker is.
         if deepspeed_files.tag_folder(loc) is not None:
-            return OpenedCheckpoint(loc, None, "full", tuning=tuning, deepspeed=True)
+            return OpenedCheckpoint(loc, None, marker_mode(loc, None), tuning=tuning, deepspeed=True)
         raise
-    return OpenedCheckpoint(loc, marker, "full" if marker is None else validate_marker_mode(loc, marker),
-                            tuning=tuning)
+    return OpenedCheckpoint(loc, marker, marker_mode(loc, marker), tuning=tuning)

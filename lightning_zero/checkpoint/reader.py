@@ -17,7 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_zero.checkpoint.formats import deepspeed_files, deepspeed_in
-from lightning_zero.checkpoint.modes import OpenedCheckpoint, full, local, sharded
+from lightning_zero.checkpoint.modes import OpenedCheckpoint, full
 from lightning_zero.checkpoint.opening import open_checkpoint
 from lightning_zero.checkpoint.store import storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
@@ -92,15 +92,8 @@ def read_zero_tree(checkpoint_id: str, storage_options: dict[str, Any] | None = 
     """The tree a ``local`` or ``sharded`` checkpoint was saved from, with whole tensors.
 
     ``optimizer=False`` reads only the model (evaluation needs no optimizer state)."""
-    return _zero_tree(open_checkpoint(checkpoint_id, storage_options), optimizer)
-
-
-def _zero_tree(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
-    if opened.mode == "full":
-        raise ValueError(f"{opened.url!r} is a 'full' checkpoint file; read it with torch.load.")
-    if opened.mode == "local":
-        return local.read_whole(opened, optimizer)
-    return sharded.read_whole(opened, optimizer)
+    opened = open_checkpoint(checkpoint_id, storage_options)
+    return opened.mode.read_whole(opened, optimizer)
 
 
 def to_lightning(tree: dict[str, Any], *, optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
@@ -158,14 +151,14 @@ def read_lightning_checkpoint(checkpoint_id: str, storage_options: dict[str, Any
 
 def read_opened(opened: OpenedCheckpoint, *, optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """:func:`read_lightning_checkpoint` of a checkpoint opened for this read (its marker is not read again)."""
-    if opened.mode == "full":
+    if opened.mode.lightning_format:
         content = read_full_content(opened, weights_only, optimizer)
         # One file holding an engine tree whole (``save(zero_state_dict(...), mode="full")``, Fabric's
         # ``full`` saves before they took Fabric's layout) reads as the other modes do; Lightning's own
         # format is returned as it is, Fabric's in Lightning's.
         return to_lightning(content, optimizer=optimizer, weights_only=weights_only) if is_engine_tree(content) \
             else content
-    return to_lightning(_zero_tree(opened, optimizer), optimizer=optimizer, weights_only=weights_only)
+    return to_lightning(opened.mode.read_whole(opened, optimizer), optimizer=optimizer, weights_only=weights_only)
 
 
 def read_full_content(opened: OpenedCheckpoint, weights_only: bool = True, optimizer: bool = True,

@@ -8,8 +8,9 @@ Call order (every rank makes each call unless marked):
 2. (background) staging: every tensor is copied off the live state. Only the optimizer step
    mutates saved tensors, so the strategy calls :func:`wait_for_staging` right before it
    (torchtitan's ``maybe_wait_for_staging``); forward and backward overlap the copy.
-3. (background) writing: ``local`` each rank its own file; ``sharded`` DCP (each rank its own
-   shard, plus metadata); ``full`` shards gathered to rank 0, which writes one file.
+3. (background) writing, in the mode's way (its :class:`~lightning_zero.checkpoint.modes.CheckpointMode`
+   object, whose docstring lists its calls): ``local`` each rank its own file; ``sharded`` DCP (each rank
+   its own shard, plus metadata); ``full`` shards gathered to rank 0, which writes one file.
 4. (background) every rank reports success or its error over a dedicated gloo group (never
    the training group: a collective there from another thread could interleave with training
    collectives and deadlock), then (coordinator) rank 0 writes the commit marker and runs the
@@ -27,15 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
-from lightning_zero.checkpoint.formats.tree import (
-    FlatShard,
-    map_leaves,
-    shard_group_size_of,
-    tensor_leaves,
-)
-from lightning_zero.checkpoint.modes import Mode, full, local, sharded, validate_mode
+from lightning_zero.checkpoint.formats.tree import map_leaves, shard_group_size_of
+from lightning_zero.checkpoint.modes import MODES, CheckpointMode, Mode, SaveTarget, mode_named
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
 from lightning_zero.checkpoint.runtime.staging import ready_event
 from lightning_zero.checkpoint.runtime.stats import SaveStats
@@ -76,22 +70,18 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     file is ``state_dict`` exactly, as ``torch.save`` writes it, without this package's integrity header (a save
     without optimizer state: [Note: model-only saves] in lightning/lightning_tree.py)."""
     called = time.perf_counter()
-    validate_mode(mode)
+    checkpoint_mode = mode_named(mode)
     team = make_team(process_group, coordinator_rank)
-    if plain and mode != "full":
-        raise ValueError(f"plain=True writes one file: it takes mode='full', got {mode!r}.")
-    if mode == "full" and not team.default:
-        raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
-                         " or use mode='sharded' for a group of ranks.")
+    checkpoint_mode.check_save(team, plain)
     loc = storage.resolve(checkpoint_id, storage_options)
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
     snapshot = map_leaves(state_dict, lambda leaf: leaf)
     fields = dict(marker_fields or {})
     ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
-    stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier,
-                   plain=plain)
+    stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
+    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called,
+                   tier=tier, plain=plain)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -185,7 +175,7 @@ class _SaveJob:
 
     state: Any
     loc: Location
-    mode: Mode
+    mode: CheckpointMode
     team: Team
     marker_fields: dict[str, Any]
     tuning: CheckpointTuning
@@ -196,7 +186,7 @@ class _SaveJob:
     version_dir: str = ""
     save_id: str = ""
     signatures: list[Any] = field(default_factory=list)
-    planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
+    planned_bytes: int | None = None  # what the mode's write plan gave this rank (sharded: DCP's)
     tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
 
@@ -222,7 +212,7 @@ class _SaveJob:
                 self.stats.commit_s = committed - written
                 self.stats.committed_after_s = committed - (self.called if self.called is not None else started)
                 self.stats.bytes_written = (self.planned_bytes if self.planned_bytes is not None
-                                            else _bytes_written(self.state, self.mode, self.team.rank))
+                                            else self.mode.bytes_written(self.state, self.team.rank))
         finally:
             # The staged copy goes before the caller learns the outcome: the worker keeps the job
             # referenced until after the future is resolved, and a save's host copy is a model's size.
@@ -243,7 +233,7 @@ class _SaveJob:
         if stats is not None:
             stats.replicated_after_s = tier.committed_at - origin
             stats.committed_after_s = stats.replicated_after_s
-            stats.bytes_written = _bytes_written(self.state, "local", self.team.rank)
+            stats.bytes_written = MODES["local"].bytes_written(self.state, self.team.rank)  # the tier's files
         if not tier.persist:
             tier.keep_unpersisted(self.state)
             return
@@ -264,13 +254,10 @@ class _SaveJob:
     def stage(self, staged: threading.Event) -> None:
         """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""
         try:
-            state = self.state
-            if self.mode == "full" and self.team.rank != 0:
-                # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
-                state = map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
+            state = self.mode.to_stage(self.state, self.team.rank)
             # Flat buffers where a local rank file packs them ([Note: packed rank files]); DCP (sharded) would
             # clone each view back into a storage of its own, and a full file is read by other tools.
-            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode == "local" or self.tier is not None)
+            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode.stages_flat or self.tier is not None)
         except Exception as exc:
             self.error = f"rank {self.team.rank}: staging the state failed ({type(exc).__name__}: {exc})"
         finally:
@@ -282,10 +269,10 @@ class _SaveJob:
         ([Note: cached save plans]). Raises on every rank before any data is written."""
         team = self.team
         if self.error is None:
-            self.error = file_io.preflight(self.loc, self.mode, team.rank)
-        proposal = ((self.loc.new_version_dir() if self.mode != "full" else "", uuid.uuid4().hex)
+            self.error = file_io.preflight(self.loc, self.mode.write_directory(self.loc, team.rank), team.rank)
+        proposal = ((self.loc.new_version_dir() if self.mode.commits_with_marker else "", uuid.uuid4().hex)
                     if team.is_coordinator else None)
-        signature = sharded.save_signature(self.state) if self.mode == "sharded" and self.error is None else None
+        signature = self.mode.plan_signature(self.state) if self.error is None else None
         gathered = all_gather_objects((proposal, self.error, signature), team.group)
         self.version_dir, self.save_id = gathered[team.coordinator][0]
         self.signatures = [sig for _, _, sig in gathered]
@@ -300,15 +287,8 @@ class _SaveJob:
         points at it, and the next successful save of this name deletes it with the stale versions)."""
         loc, team = self.loc, self.team
         try:
-            if self.mode == "local":
-                local.write_local(self.state, loc, self.version_dir, team.rank, team.world_size, self.save_id,
-                                  self.tuning)
-            elif self.mode == "sharded":
-                self.planned_bytes = sharded.write_sharded(self.state, loc, self.version_dir, team, self.save_id,
-                                                           self.signatures, self.tuning)
-            else:
-                full.write_full(self.state, loc, team.rank, team.group, self.save_id, self.tuning,
-                                header=not self.plain)
+            self.planned_bytes = self.mode.write(self.state, SaveTarget(
+                loc, self.version_dir, team, self.save_id, self.signatures, self.tuning, header=not self.plain))
         except Exception as exc:  # reported to every rank below, raised at the next finalize
             self.error = f"rank {team.rank}: {storage.storage_error(loc, 'write', exc) if isinstance(exc, OSError) else exc!r}"
         errors = [e for e in all_gather_objects(self.error, team.group) if e]
@@ -322,7 +302,7 @@ class _SaveJob:
     def commit(self) -> None:
         """(4) The coordinator writes the commit marker (``local``/``sharded``; a ``full`` file is its own
         commit) and deletes older data versions; every rank learns whether the commit happened."""
-        if self.mode == "full":
+        if not self.mode.commits_with_marker:
             return
         loc, team = self.loc, self.team
         commit_error: str | None = None
@@ -331,7 +311,7 @@ class _SaveJob:
                 # The data directory relative to the marker's folder: a copy of the marker beside it (a
                 # `save_last="link"` on S3) names the same data.
                 data = self.version_dir[len(loc.parent) + 1:] if loc.parent else self.version_dir
-                fields = {"mode": self.mode, "world_size": team.world_size, "data": data, "save_id": self.save_id}
+                fields = {"mode": self.mode.name, "world_size": team.world_size, "data": data, "save_id": self.save_id}
                 shard_group_size = shard_group_size_of(self.state, team.world_size)
                 if shard_group_size != team.world_size:
                     fields["shard_group_size"] = shard_group_size
@@ -349,13 +329,3 @@ class _SaveJob:
             raise CheckpointSaveError(
                 f"Saving checkpoint {loc.url!r} failed; the previous checkpoint is intact: {commit_error}")
 
-
-def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
-    """Tensor bytes this rank wrote (see ``SaveStats.bytes_written``)."""
-    total = 0
-    for _, leaf in tensor_leaves(state):
-        if isinstance(leaf, FlatShard):
-            total += leaf.local.element_size() * (leaf.numel if mode == "full" else leaf.local.numel())
-        elif mode == "local" or rank == 0:  # replicated: DCP and the full file take rank 0's
-            total += leaf.numel() * leaf.element_size()
-    return total if mode != "full" or rank == 0 else 0

@@ -65,7 +65,7 @@ def read_named(src: str, storage_options: dict[str, Any] | None = None, *, optim
     A full file whose optimizer state names no parameters is refused: guessing the order from the module would put
     one parameter's moments on another (``optimizer=False`` reads it)."""
     opened = open_checkpoint(src, storage_options)
-    if opened.mode == "full":
+    if opened.mode.lightning_format:
         content = read_opened(opened, optimizer=optimizer, weights_only=weights_only)
         model = _full_model(content)
         optim = _named_optimizer(content, src) if optimizer else None

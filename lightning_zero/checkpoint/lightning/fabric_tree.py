@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_zero.checkpoint import engine_tree
 from lightning_zero.checkpoint.lightning.lightning_tree import build_tree, plain_tree
+from lightning_zero.checkpoint.modes import mode_named
 from lightning_zero.checkpoint.reader import FABRIC_KEYS
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 from lightning_zero.engine import ZeroEngine
@@ -36,14 +37,14 @@ def fabric_tree(state: dict[str, Any], module_key: str, optimizer_keys: dict[str
     every mode names the keys (:data:`~lightning_zero.checkpoint.reader.FABRIC_KEYS`), so ``fabric.load(path)``
     and ``lightning-zero convert`` give the same layout back."""
     meta = {**meta, FABRIC_KEYS: {"module": module_key, "optimizers": sorted(optimizer_keys, key=optimizer_keys.get)}}
-    if mode == "full":
+    if mode_named(mode).lightning_format:
         state_dict = module.state_dict()  # finishes the step's gathers: the file holds the whole weights
         if keep is not None:
             state_dict = {k: v for k, v in state_dict.items() if keep(k, v.detach())}
         checkpoint: dict[str, Any] = {**state, "state_dict": state_dict}
         if optimizer_keys:
             checkpoint["optimizer_states"] = []  # build_tree fills the engine's
-        tree = build_tree(checkpoint, module, engine, "full", meta)
+        tree = build_tree(checkpoint, module, engine, mode, meta)
         tree.pop(TREE_TAG)
         states = tree.pop("optimizer_states", [])
         tree[module_key] = tree.pop("state_dict")

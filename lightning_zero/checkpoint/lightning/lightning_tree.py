@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_zero._compat import persistent_buffers
 from lightning_zero.checkpoint import engine_tree
 from lightning_zero.checkpoint.formats.tree import snapshot
-from lightning_zero.checkpoint.modes import full
+from lightning_zero.checkpoint.modes import full, mode_named
 from lightning_zero.checkpoint.reader import (
     MASTERS_KEY,
     META_KEY,
@@ -56,7 +56,7 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
     # Lightning's lr_schedulers stay as it put them (a list, empty without a fit): a fit resumed from a
     # save made outside fit restores them as under DDP.
     with_optimizer = engine is not None and "optimizer_states" in checkpoint  # absent for save_weights_only
-    if mode == "full":
+    if mode_named(mode).lightning_format:
         # The file is written in the background: only the parameters are held still until staged (the
         # optimizer's fence), so everything else is copied now, buffers and hook-added tensors
         # included, and the callbacks' state (SWA's and EMA's averages change in place).
@@ -90,6 +90,14 @@ def holds_optimizer_state(checkpoint: dict[str, Any], engine: ZeroEngine | None)
     """Whether a save of Lightning's ``checkpoint`` holds optimizer state: not for ``save_weights_only``
     (Lightning leaves ``optimizer_states`` out) nor without an engine (a save outside ``fit``)."""
     return engine is not None and "optimizer_states" in checkpoint
+
+
+def holds_module_parameters(tree: dict[str, Any]) -> bool:
+    """Whether a tree :func:`build_tree` or :func:`plain_tree` built holds the module's own parameters (Lightning's
+    format, or the plain file), which the hooks that run before the next step may change in place: its staging
+    copy must end before the save call returns. The engine's tree holds the masters, which only the fenced
+    optimizer update changes."""
+    return tree[TREE_TAG] == PLAIN or mode_named(tree[TREE_TAG]).lightning_format
 
 
 def plain_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine | None) -> dict[str, Any]:

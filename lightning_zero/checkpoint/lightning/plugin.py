@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
-from lightning_zero.checkpoint.modes import Mode, validate_mode
+from lightning_zero.checkpoint.modes import Mode, mode_named
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
 from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad, process_started_at
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
@@ -61,8 +61,9 @@ class ZeroCheckpointIO(CheckpointIO):
         if persist_every != 1 and local_tier is None:
             raise ValueError(f"persist_every={persist_every} needs a local_tier: without one every save goes to the"
                              " checkpoint path. Pass local_tier=LocalTier(path=...) or drop persist_every.")
-        self.mode: Mode = validate_mode(mode)
-        if local_tier is not None and mode == "full":
+        checkpoint_mode = mode_named(mode)  # a ValueError naming the modes for any other
+        self.mode: Mode = mode
+        if local_tier is not None and checkpoint_mode.gathers_to_rank0:
             raise ValueError("local_tier works with mode='sharded' or 'local' (the durable tier's mode): a 'full' save"
                              " gathers the state to rank 0, and the local tier keeps each rank's own shards. Use"
                              " mode='sharded' and `lightning-zero convert` for a full file.")

@@ -78,15 +78,15 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
     # Everything that can fail on one rank only (a file it cannot read, another model) fails before
     # the ranks agree, so that no rank is left alone in the collectives of loader.load (over the
     # coordination group) while another has already left for the caller's agreement.
-    mode = opened.mode
+    whole = opened.mode.lightning_format
     keys: set[str] = set()
     content: dict[str, Any] = {}
-    if mode == "full":
+    if whole:
         # Also a DeepSpeed ZeRO-1/2 folder, read into the same Lightning dict (reader.read_full_content).
         content = checked_on_every_rank(lambda: read_full_content(opened, weights_only, fabric_keys=fabric_keys), loc)
     else:
         keys = checked_on_every_rank(lambda: loader.saved_tensor_keys(opened), loc)
-    if mode == "full":
+    if whole:
         if "state_dict" in content and pending is not None:
             pending.append(PendingWeights(checkpoint_id, options, full=content))
             return content
@@ -96,7 +96,7 @@ def load_engine_state(engine: ZeroEngine, module: nn.Module, checkpoint_id: str,
                                              masters=content.get(MASTERS_KEY))
             return content
         keys = tensor_paths(content)  # a zero_state_dict tree saved whole by the functional API
-    if mode != "full":  # [Note: groups added during fit]
+    if not whole:  # [Note: groups added during fit]
         engine_tree.restore_added_groups(engine, module, checked_on_every_rank(lambda: loader.saved_param_groups(opened),
                                                                                loc))
     for index, optimizer in enumerate(engine.optimizers):

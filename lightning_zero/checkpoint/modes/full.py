@@ -5,7 +5,7 @@ file loads anywhere, also without this package.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,8 +13,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.checkpoint.formats import integrity
-from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
-from lightning_zero.checkpoint.runtime.team import peer_lost
+from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
+from lightning_zero.checkpoint.modes.base import (
+    CheckpointMode,
+    OpenedCheckpoint,
+    SaveTarget,
+    check_into,
+    copy_into,
+    tensor_bytes,
+)
+from lightning_zero.checkpoint.runtime.team import Team, peer_lost
 from lightning_zero.checkpoint.store import cleanup, file_io
 from lightning_zero.checkpoint.store.storage import Location
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
@@ -131,3 +139,51 @@ def read_full_checked(loc: Location, weights_only: bool = True) -> Any:
     if found is not None:  # files written by other tools (plain Lightning, convert) carry no header
         integrity.verify(content, found, loc.path, loc.url)
     return content
+
+
+class FullMode(CheckpointMode):
+    """``full``: rank 0 writes one file of whole tensors in Lightning's format after gathering every rank's shards."""
+
+    name = "full"
+    commits_with_marker = False
+    gathers_to_rank0 = True
+    lightning_format = True
+
+    def check_save(self, team: Team, plain: bool) -> None:
+        if not team.default:
+            raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
+                             " or use mode='sharded' for a group of ranks.")
+
+    def to_stage(self, state: Any, rank: int) -> Any:
+        if rank != 0:
+            # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
+            return map_leaves(state, lambda leaf: None if isinstance(leaf, Tensor) else leaf)
+        return state
+
+    def write_directory(self, loc: Location, rank: int) -> str | None:
+        return (loc.parent or ".") if rank == 0 else None
+
+    def write(self, state: Any, target: SaveTarget) -> int | None:
+        write_full(state, target.loc, target.team.rank, target.team.group, target.save_id, target.tuning,
+                   header=target.header)
+        return None
+
+    def bytes_written(self, state: Any, rank: int) -> int:
+        # Rank 0 writes the whole tensors and its replicated ones; the others write nothing.
+        return tensor_bytes(state, whole_shards=True, replicated=True) if rank == 0 else 0
+
+    def saved_tensor_keys(self, opened: OpenedCheckpoint) -> set[str]:
+        raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
+
+    def saved_objects(self, opened: OpenedCheckpoint) -> dict[str, Any]:
+        raise ValueError(f"{opened.url!r} is a 'full' checkpoint; read it with load().")
+
+    def prepare_load(self, state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
+                     strict: bool = True) -> Callable[[], dict[str, Any]]:
+        loc = opened.loc
+        content = read_full_checked(loc)
+        check_into(state_dict, content, loc.url, loc.path, strict)
+        return lambda: copy_into(state_dict, content, loc.url)
+
+    def read_whole(self, opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
+        raise ValueError(f"{opened.url!r} is a 'full' checkpoint file; read it with torch.load.")

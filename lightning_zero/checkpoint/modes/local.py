@@ -16,8 +16,22 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint.formats import integrity, packed
-from lightning_zero.checkpoint.formats.tree import FlatShard, map_leaves, map_with_path, walk
-from lightning_zero.checkpoint.modes import OpenedCheckpoint
+from lightning_zero.checkpoint.formats.tree import (
+    FlatShard,
+    is_tensor_leaf,
+    map_leaves,
+    map_with_path,
+    shard_group_size_of,
+    walk,
+)
+from lightning_zero.checkpoint.modes.base import (
+    CheckpointMode,
+    OpenedCheckpoint,
+    SaveTarget,
+    check_into,
+    copy_into,
+    tensor_bytes,
+)
 from lightning_zero.checkpoint.runtime.team import Team, world
 from lightning_zero.checkpoint.store import file_io
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
@@ -172,3 +186,35 @@ def read_whole(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
     if not optimizer:
         tree.pop("optimizer", None)
     return tree
+
+
+class LocalMode(CheckpointMode):
+    """``local``: each rank its own file, no collective; loads at the world size it was saved with."""
+
+    name = "local"
+    stages_flat = True
+
+    def write(self, state: Any, target: SaveTarget) -> int | None:
+        team = target.team
+        write_local(state, target.loc, target.version_dir, team.rank, team.world_size, target.save_id, target.tuning)
+        return None
+
+    def bytes_written(self, state: Any, rank: int) -> int:
+        return tensor_bytes(state, whole_shards=False, replicated=True)  # every rank writes its replicated copy
+
+    def saved_tensor_keys(self, opened: OpenedCheckpoint) -> set[str]:
+        content = read_own_rank_file(opened, *world())
+        return {"/".join(p) for p, leaf in walk(content) if is_tensor_leaf(leaf)}
+
+    def saved_objects(self, opened: OpenedCheckpoint) -> dict[str, Any]:
+        return read_own_rank_file(opened, *world())
+
+    def prepare_load(self, state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
+                     strict: bool = True) -> Callable[[], dict[str, Any]]:
+        loc = opened.loc
+        content = read_local(opened, shard_group_size=shard_group_size_of(state_dict, team.world_size), team=team)
+        check_into(state_dict, content, loc.url, rank_file(opened.version_dir, team.rank, team.world_size), strict)
+        return lambda: copy_into(state_dict, content, loc.url)
+
+    def read_whole(self, opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
+        return read_whole(opened, optimizer)

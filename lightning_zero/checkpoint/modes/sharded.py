@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.formats.tree import (
     tensor_leaves,
     walk,
 )
-from lightning_zero.checkpoint.modes import OpenedCheckpoint
+from lightning_zero.checkpoint.modes.base import CheckpointMode, OpenedCheckpoint, SaveTarget, tensor_bytes
 from lightning_zero.checkpoint.runtime.team import Team, ranks_on_this_node
 from lightning_zero.checkpoint.store import file_io, storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
@@ -305,3 +305,36 @@ def read_whole(opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
     if not optimizer:
         tree.pop("optimizer", None)
     return tree
+
+
+class ShardedMode(CheckpointMode):
+    """``sharded``: DCP, every rank its shards with global metadata; loads at any world size (resharded)."""
+
+    name = "sharded"
+
+    def plan_signature(self, state: Any) -> Any:
+        return save_signature(state)
+
+    def write(self, state: Any, target: SaveTarget) -> int | None:
+        return write_sharded(state, target.loc, target.version_dir, target.team, target.save_id, target.signatures,
+                             target.tuning)
+
+    def bytes_written(self, state: Any, rank: int) -> int:
+        # Replicated tensors: DCP takes rank 0's.
+        return tensor_bytes(state, whole_shards=False, replicated=rank == 0)
+
+    def shared_metadata(self, opened: OpenedCheckpoint) -> bytes | None:
+        return read_metadata_bytes(opened)
+
+    def saved_tensor_keys(self, opened: OpenedCheckpoint) -> set[str]:
+        return set(read_dcp_metadata(opened.loc, dcp_reader(opened)).state_dict_metadata)
+
+    def saved_objects(self, opened: OpenedCheckpoint) -> dict[str, Any]:
+        return read_objects(opened)[0]
+
+    def prepare_load(self, state_dict: dict[str, Any], opened: OpenedCheckpoint, team: Team,
+                     strict: bool = True) -> Callable[[], dict[str, Any]]:
+        return prepare_sharded(state_dict, opened, team, strict)
+
+    def read_whole(self, opened: OpenedCheckpoint, optimizer: bool) -> dict[str, Any]:
+        return read_whole(opened, optimizer)

@@ -20,12 +20,12 @@ from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Loca
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
 
-def preflight(loc: Location, mode: str, rank: int) -> str | None:
-    """This rank's reason it cannot write ``loc`` (a read-only or refused path, a missing bucket), found before
-    any checkpoint data is written; None when it can (``Store.preflight``)."""
-    if mode == "full" and rank != 0:
+def preflight(loc: Location, directory: str | None, rank: int) -> str | None:
+    """This rank's reason it cannot write ``loc`` into ``directory`` (a read-only or refused path, a missing bucket),
+    found before any checkpoint data is written; None when it can (``Store.preflight``) or writes nothing
+    (``directory`` None: the mode's ``write_directory``)."""
+    if directory is None:
         return None
-    directory = loc.data_root() if mode != "full" else (loc.parent or ".")
     exc = loc.store.preflight(loc.path, directory)
     if exc is None:
         return None
