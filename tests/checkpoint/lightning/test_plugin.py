@@ -14,6 +14,7 @@ import torch
 
 from lightning_zero import LocalTier, ZeroCheckpointIO
 from lightning_zero.checkpoint import FlatShard, read_mode
+from lightning_zero.checkpoint.lightning.entry import link_of
 from lightning_zero.checkpoint.store import file_io
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
@@ -53,10 +54,10 @@ def test_a_checkpoint_the_strategy_did_not_build_is_one_plain_file_written_at_on
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, path)
     assert path.is_file() and not (tmp_path / "_zero_data").exists()
     assert io.load_checkpoint(path)["state_dict"]["w"].tolist() == [1.0, 1.0]
-    assert io.is_claimed(path) and io.is_claimed(f"{path}/")
+    assert link_of(io).is_claimed(path) and link_of(io).is_claimed(f"{path}/")
     io.remove_checkpoint(path)
     assert io.finalize() is True
-    assert not path.exists() and not io.is_claimed(path)
+    assert not path.exists() and not link_of(io).is_claimed(path)
 
 
 @pytest.mark.parametrize("async_save", [True, False])
