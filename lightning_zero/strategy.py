@@ -42,8 +42,9 @@ from lightning_zero.optimizer import ZeroOptimizer
 from lightning_zero.strategy_phase import Lifecycle, Phase
 from lightning_zero.trainer_fault_tolerance import TrainerReplicaGroups
 
-_IN_ENGINE = "in the engine"
-"""``load_checkpoint``'s hand-off to ``load_model_state_dict`` when it put the weights into the engine itself."""
+_ALREADY_LOADED = "loaded by load_checkpoint"
+"""``load_checkpoint``'s hand-off to ``load_model_state_dict`` when it put the weights in place itself (into the
+engine, or the module when there is none)."""
 
 
 class ZeroLowLevelStrategy(DDPStrategy):
@@ -138,8 +139,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self._lifecycle = Lifecycle()  # [Note: the strategy's phases] in strategy_phase.py
         self._module_meta: dict[str, Any] | None = None
         self._last_shard_numel: int | None = None
-        # What load_checkpoint left for load_model_state_dict: the weights it put into the engine itself
-        # (_IN_ENGINE), the weights that wait for on_load_checkpoint, or nothing (Lightning loads them).
+        # What load_checkpoint left for load_model_state_dict: the weights already in place (_ALREADY_LOADED),
+        # the weights that wait for on_load_checkpoint, or nothing (Lightning loads them).
         self._weights_handoff: entry.PendingWeights | str | None = None
         if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
             raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
@@ -552,7 +553,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if self._engine is not None and not resume.pending:
             entry.publish(self._engine, module)  # collectives only once every rank has loaded
         if not hook_first:
-            self._weights_handoff = _IN_ENGINE
+            self._weights_handoff = _ALREADY_LOADED
         elif resume.pending:
             self._weights_handoff = resume.pending[0]
         return result
@@ -567,8 +568,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         handoff, self._weights_handoff = self._weights_handoff, None
-        if handoff is _IN_ENGINE:
-            return  # already in the engine (and gathered into the model) by `load_checkpoint`
+        if handoff is _ALREADY_LOADED:
+            return  # already in the engine (and gathered into the model), or in the module, by `load_checkpoint`
         module = self.lightning_module
         assert module is not None
         if isinstance(handoff, entry.PendingWeights) and self._engine is not None:
