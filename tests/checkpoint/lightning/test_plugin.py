@@ -76,3 +76,13 @@ def test_async_save_returns_with_the_save_in_flight_and_without_it_committed(
     assert io.finalize(blocking=False) is (not async_save)
     io.finalize()
     assert read_mode(str(tmp_path / "step.ckpt")) == "local"
+
+
+def test_the_plugins_public_methods_are_the_ones_a_user_calls() -> None:
+    """The API reference lists the plugin's public members: what the strategies alone call is on its
+    StrategyLink ([Note: the plugin's two faces] in checkpoint/lightning/plugin.py)."""
+    public = {name for name in vars(ZeroCheckpointIO) if not name.startswith("_")}
+    assert public == {"save_checkpoint", "load_checkpoint", "remove_checkpoint", "teardown", "finalize",
+                      "last_save_stats"}
+    io = ZeroCheckpointIO()
+    assert link_of(io) is link_of(io)  # one link per plugin: every front end sees the same claims and placement
