@@ -193,7 +193,7 @@ class ZeroCheckpointIO(CheckpointIO):
 class StrategyLink:
     """What the front ends ask of one :class:`ZeroCheckpointIO`, and the state only they write ([Note: the
     plugin's two faces]). Callers: ZeroLowLevelStrategy and its Fabric twin (:meth:`set_up`,
-    :meth:`wait_for_staging`, :meth:`note_blocked`, :meth:`is_claimed`, :meth:`release`), Lightning's fixes
+    :meth:`wait_for_staging`, :meth:`note_blocked`, :meth:`count_claims_as_taken`, :meth:`release`), Lightning's fixes
     (:meth:`place`, :meth:`tier_root`, :meth:`offer_last`, :meth:`link`), the resume (:meth:`resolve_last`,
     :meth:`record_load`) and ``CheckpointMetrics`` (:meth:`record_first_step`)."""
 
@@ -226,8 +226,8 @@ class StrategyLink:
             self.local_rank = local_rank
 
     def release(self) -> None:
-        """(every rank, after the last save was finalized) End the worker thread and the coordination
-        group (the next save or load makes them again)."""
+        """(every rank, after the last save was finalized) End the worker thread, the staging buffers and the
+        coordination group (the next save or load makes them again)."""
         saver.release()
 
     def wait_for_staging(self) -> None:
