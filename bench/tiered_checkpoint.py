@@ -51,6 +51,7 @@ from _ckpt_common import (
 )
 
 from lightning_zero.checkpoint import LocalTier, ZeroCheckpointIO, load
+from lightning_zero.checkpoint.lightning.entry import link_of
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG
 
@@ -79,7 +80,7 @@ def tiered_run(rank: int, world_size: int, settings: Any, s3_url: str, s3_option
            "local_path": ZeroCheckpointIO(mode="sharded")}
     bases = {"tiered": f"{s3_url}/tiered", "s3": f"{s3_url}/direct", "local_path": os.path.join(settings.root, "direct")}
     for io in ios.values():
-        io.place(node_rank=rank, local_rank=0)  # one rank per "node"
+        link_of(io).place(node_rank=rank, local_rank=0)  # one rank per "node"
 
     def save(kind: str, name: str, step: int) -> dict[str, float]:
         io = ios[kind]

@@ -41,21 +41,23 @@ class _RemoteLastLookup:
 
 def tiered_last(trainer: Any, found: set[str]) -> set[str]:
     """With a local tier: the durable ``last`` candidates go to the plugin, which picks the tier
-    collectively when the strategy loads (``ZeroCheckpointIO.resolve_last``); Lightning is handed this
+    collectively when the strategy loads (``StrategyLink.resolve_last``); Lightning is handed this
     node's tier directory, which only has to exist. Without any checkpoint on this node's tier or the
     durable path, nothing is resumed, as Lightning does."""
-    from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint import ZeroCheckpointIO
+    from lightning_zero.checkpoint.lightning.entry import link_of
 
     strategy = trainer.strategy
     io = getattr(strategy, "checkpoint_io", None)
     if not isinstance(io, ZeroCheckpointIO) or io.local_tier is None:
         return found
-    io.place(strategy.node_rank, strategy.local_rank)
-    root = io.tier_root()
+    link = link_of(io)
+    link.place(strategy.node_rank, strategy.local_rank)
+    root = link.tier_root()
     assert root is not None
     # Every rank goes on to the collective choice, even one whose node lost its storage and sees nothing:
     # another node may hold its files. When no tier holds anything, nothing is loaded (_ResumeNothing).
-    io.tiered_last = sorted(set(io.tiered_last or []) | found)
+    link.offer_last(found)
     os.makedirs(root, exist_ok=True)
     connector = _compat.checkpoint_connector(trainer)
     if not isinstance(connector.__dict__.get("resume_start"), _ResumeNothing):
@@ -152,14 +154,15 @@ class _LinkAfterCommit:
         self.callback = callback
 
     def __call__(self, trainer: Any, filepath: str, linkpath: str) -> None:
-        from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+        from lightning_zero.checkpoint import ZeroCheckpointIO
+        from lightning_zero.checkpoint.lightning.entry import link_of
 
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, ZeroCheckpointIO):
             type(self.callback)._link_checkpoint(trainer, filepath, linkpath)
             return
         if trainer.is_global_zero:
-            io.link(filepath, linkpath)
+            link_of(io).link(filepath, linkpath)
         trainer.strategy.barrier()
 
 

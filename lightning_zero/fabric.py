@@ -51,8 +51,12 @@ from lightning_zero.checkpoint import (
     wait_for_staging,
     zero_state_dict,
 )
-from lightning_zero.checkpoint.lightning.fabric_tree import fabric_tree, plain_fabric_tree
-from lightning_zero.checkpoint.reader import to_fabric_layout
+from lightning_zero.checkpoint.lightning.entry import (
+    fabric_tree,
+    link_of,
+    plain_fabric_tree,
+    to_fabric_layout,
+)
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as comm
 from lightning_zero.engine.fault_tolerance import (
@@ -149,7 +153,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
             raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
         self._fault_tolerance = fault_tolerance
         self._replica_groups: ReplicaGroups | None = None
-        self._io_set_up = False
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     @property
@@ -229,11 +232,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         engine = ZeroEngine(module, optimizers, self.zero_config, replica_groups=groups)
         self._engines[module] = engine
         io = self.checkpoint_io
-        if isinstance(io, ZeroCheckpointIO) and not self._io_set_up:
-            # The group background saves coordinate over, made now on every rank: no save makes a collective
-            # on the training thread for it.
-            io.set_up(self.num_processes)
-            self._io_set_up = True
+        if isinstance(io, ZeroCheckpointIO) and len(self._engines) == 1:
+            # The first engine since teardown: the group background saves coordinate over, made now on every
+            # rank, so that no save makes a collective on the training thread for it.
+            link_of(io).set_up(self.num_processes)
         # Once, now that dtypes are final and no gather is in flight (a save would otherwise wait for the
         # step's overlapped gathers: zero_state_dict's ``meta`` argument).
         self._meta[module] = zero_state_dict(engine, module)["meta"]
@@ -376,7 +378,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
                                      keep=filter.get(module_key))
             write(tree, os.fspath(path), mode="full", storage_options=options, plain=True)
             if io.async_save:
-                io.note_blocked(time.perf_counter() - called)
+                link_of(io).note_blocked(time.perf_counter() - called)
             return
         # [Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py: a full file is what Fabric's DDP writes.
         tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
@@ -385,7 +387,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
         write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
         if io.async_save:
-            io.note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too
+            link_of(io).note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too
 
     def _split_state(self, state: dict[str, Any]) -> tuple[str, nn.Module, ZeroEngine | None]:
         """The key, module and engine (None: a module set up without optimizers) of the one module in ``state``;
@@ -509,8 +511,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
         super().teardown()  # the checkpoint plugin's teardown finalizes the save in flight
         io = self.checkpoint_io
         if isinstance(io, ZeroCheckpointIO):
-            io.release()  # its thread and coordination group end with the loop; a later save makes them again
-            self._io_set_up = False
+            link_of(io).release()  # its thread and coordination group end with the loop; a later save makes them again
 
     @classmethod
     @override

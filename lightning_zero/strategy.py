@@ -20,7 +20,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -34,19 +33,18 @@ from lightning_zero._compat import MockOptimizer as _MockOptimizer
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
 from lightning_zero._compat import sync_module_states as _sync_module_states
 from lightning_zero._lightning_fixes import LaunchWithFixes
-from lightning_zero.checkpoint import CheckpointMetrics, ZeroCheckpointIO, engine_tree, wait_for_staging
-from lightning_zero.checkpoint.lightning import lightning_tree
-from lightning_zero.checkpoint.lightning.hook_weights import (
-    PendingWeights,
-    apply_pending_weights,
-    keep_own_values,
-)
-from lightning_zero.checkpoint.lightning.resume import TrainerResume, publish
+from lightning_zero.checkpoint import CheckpointMetrics, ZeroCheckpointIO, wait_for_staging
+from lightning_zero.checkpoint.lightning import entry
 from lightning_zero.data import keep_data_position
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.fault_tolerance import FaultTolerance
 from lightning_zero.engine.optimizer import ZeroOptimizer
+from lightning_zero.strategy_phase import Lifecycle, Phase
 from lightning_zero.trainer_fault_tolerance import TrainerReplicaGroups
+
+_ALREADY_LOADED = "loaded by load_checkpoint"
+"""``load_checkpoint``'s hand-off to ``load_model_state_dict`` when it put the weights in place itself (into the
+engine, or the module when there is none)."""
 
 
 class ZeroLowLevelStrategy(DDPStrategy):
@@ -138,12 +136,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
         self.nonfinite_loss = nonfinite_loss
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine: ZeroEngine | None = None
-        self._engine_live = False  # between fit's setup and teardown (hooks installed, steps run)
+        self._lifecycle = Lifecycle()  # [Note: the strategy's phases] in strategy_phase.py
         self._module_meta: dict[str, Any] | None = None
-        self._loaded_by_strategy = False
         self._last_shard_numel: int | None = None
-        self._set_up_early = False  # load_checkpoint built the engine before setup ([Note: restore before on_fit_start])
-        self._pending_weights: PendingWeights | None = None
+        # What load_checkpoint left for load_model_state_dict: the weights already in place (_ALREADY_LOADED),
+        # the weights that wait for on_load_checkpoint, or nothing (Lightning loads them).
+        self._weights_handoff: entry.PendingWeights | str | None = None
         if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
             raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
         self._fault_tolerance = fault_tolerance
@@ -195,18 +193,20 @@ class ZeroLowLevelStrategy(DDPStrategy):
             raise RuntimeError("optimizer_shard_numel is known once `trainer.fit` has set the strategy up.")
         return self._last_shard_numel
 
+    @property
+    def _live(self) -> bool:
+        """Fit's engine between its setup and teardown: hooks installed, steps run."""
+        return self._engine is not None and self._lifecycle.fitting
+
     @override
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if not self._set_up_early:
+        resumed = self._lifecycle.phase is Phase.RESUMING
+        self._lifecycle.enter(Phase.FITTING if fitting else Phase.IDLE, "setup")  # before a live engine is closed
+        if not resumed:
             self._set_up_model(trainer)
-        self._set_up_early = False
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
-                                                                            _ClaimAwareExists):
-                    # Instance attribute: Lightning's method stays, the user's class is untouched.
-                    callback.file_exists = _ClaimAwareExists(callback, self.checkpoint_io)  # type: ignore[method-assign]
+            entry.link_of(self.checkpoint_io).count_claims_as_taken(trainer.checkpoint_callbacks)
             if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
                 # Each save's cost reaches the user's loggers without them asking (no collective).
                 trainer.callbacks.append(CheckpointMetrics())
@@ -241,8 +241,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
                                       if self._replica_groups is None else self._replica_groups.groups)
             # Once, now that dtypes are final and no gather is in flight: per save it would wait
             # for the step's overlapped gathers on the training thread (module_meta's docstring).
-            self._module_meta = engine_tree.module_meta(self.model)
-            self._engine_live = True
+            self._module_meta = entry.module_meta(self.model)
             self.optimizers = list(self._engine.optimizers)
             self._route_precision_plugin()
             for optimizer in self._engine.optimizers:
@@ -257,13 +256,14 @@ class ZeroLowLevelStrategy(DDPStrategy):
             _sync_module_states(self.model)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
             # Saves coordinate in the background, also after validate/test; the local tier needs the node.
-            self.checkpoint_io.set_up(self.num_processes, node_rank=self.node_rank, local_rank=self.local_rank)
+            entry.link_of(self.checkpoint_io).set_up(self.num_processes, node_rank=self.node_rank,
+                                               local_rank=self.local_rank)
 
     def _wait_for_staging(self) -> None:
         """The staging fence: a save still copying the state finishes before it changes."""
         io = self.checkpoint_io
         if isinstance(io, ZeroCheckpointIO):
-            io.wait_for_staging()
+            entry.link_of(io).wait_for_staging()
         else:
             wait_for_staging()  # a save through the functional API, if any
 
@@ -272,7 +272,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
             self._engine = None
-            self._engine_live = False
             # Free the engine's buffers (and the collectives' references to them) now, while the
             # process groups live: gloo freeing them during interpreter shutdown can abort a
             # worker that finished its fit ("terminate called without an active exception").
@@ -280,11 +279,11 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._engine_live:
+        if self.broadcast_buffers and self._live:
             assert self._engine is not None
             self._engine.broadcast_buffers()
         output = super().training_step(*args, **kwargs)
-        if self.nonfinite_loss != "ignore" and self._engine_live:
+        if self.nonfinite_loss != "ignore" and self._live:
             output = self._check_finite_loss(output)
         return output
 
@@ -347,6 +346,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
         Lightning's own ``grad_norm`` reads ``param.grad``, which ZeRO does not keep (stage 2 holds this
         rank's shard of each gradient, stage 1 moves the gradients into its reduction buffers): it returns
         an empty dict here. This computes the norms from every rank's shard."""
+        if not self._live:
+            raise RuntimeError("ZeroLowLevelStrategy.grad_norm reads the gradient shards of a `fit` in progress (call"
+                               " it from `on_before_optimizer_step`); no fit is running, so there is no gradient.")
         norm = float(norm_type)
         if norm <= 0:
             raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
@@ -376,9 +378,9 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # After the callbacks' and the module's on_train_epoch_start/on_train_batch_start: where a
         # fine-tuning callback unfreezes a part of the model.
-        if self._engine is not None and self._engine_live and self._engine.trainable_changed():
+        if self._engine is not None and self._live and self._engine.trainable_changed():
             self._engine.rebuild()  # [Note: rebuilding] in engine/zero_engine.py
-        if self._replica_groups is not None and self._engine_live:
+        if self._replica_groups is not None and self._live:
             self._replica_groups.before_batch()
         super().on_train_batch_start(batch, batch_idx)
 
@@ -464,28 +466,28 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # gathers are still running (a save from on_train_batch_end): their parameters were
             # not read since, so only in-place writes can have happened.
             self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
-        if self._replica_groups is not None and self._engine_live and not self._replica_groups.writes_checkpoints():
+        if self._replica_groups is not None and self._live and not self._replica_groups.writes_checkpoints():
             return  # one replica group writes each checkpoint; this one goes on training
-        with_optimizer = lightning_tree.holds_optimizer_state(checkpoint, self._engine)
+        with_optimizer = entry.holds_optimizer_state(checkpoint, self._engine)
         if isinstance(io, ZeroCheckpointIO):
             called = time.perf_counter()
             # Without optimizer state (save_weights_only, a save outside fit) the file DDP writes, in every mode
             # ([Note: model-only saves] in checkpoint/lightning/lightning_tree.py).
-            tree = (lightning_tree.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
-                    if with_optimizer else lightning_tree.plain_tree(checkpoint, module, self._engine))
+            tree = (entry.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
+                    if with_optimizer else entry.plain_tree(checkpoint, module, self._engine))
             io.save_checkpoint(tree, filepath, storage_options)
-            if lightning_tree.holds_module_parameters(tree):
+            if entry.holds_module_parameters(tree):
                 # A full file holds the module's own parameters, which the hooks that run before the next
                 # step may change in place (SWA puts its average in at train end): its copy ends here.
                 # local/sharded hold the masters, which only the fenced update changes.
-                io.wait_for_staging()
-            io.note_blocked(time.perf_counter() - called)  # building the tree (and a full save's copy) included
-            if not self._engine_live:
+                entry.link_of(io).wait_for_staging()
+            entry.link_of(io).note_blocked(time.perf_counter() - called)  # building the tree (and a full save's copy) included
+            if not self._live:
                 io.finalize()
             return
         # A plain CheckpointIO (TorchCheckpointIO, AsyncCheckpointIO) gets one full file from rank 0,
         # gathered on the training group, this thread; without optimizer state, Lightning's dict as it is.
-        whole = (lightning_tree.gather_full_checkpoint(checkpoint, module, self._engine, self._saved_meta())
+        whole = (entry.gather_full_checkpoint(checkpoint, module, self._engine, self._saved_meta())
                  if with_optimizer else checkpoint)
         if self.is_global_zero:
             io.save_checkpoint(whole, filepath, storage_options=storage_options)
@@ -528,13 +530,13 @@ class ZeroLowLevelStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         trainer = module.trainer
-        if trainer.state.fn == TrainerFn.FITTING and not self._engine_live and not self._set_up_early:
+        if trainer.state.fn == TrainerFn.FITTING and not self._lifecycle.fitting:
+            self._lifecycle.enter(Phase.RESUMING, "load_checkpoint")
             self._set_up_model(trainer)  # [Note: restore before on_fit_start]
-            self._set_up_early = True
         # A module that migrates checkpoints in on_load_checkpoint sees them before the weights are
         # applied, as under DDP ([Note: hook before weights] in checkpoint/lightning/hook_weights.py).
         hook_first = type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint
-        resume = TrainerResume(
+        resume = entry.TrainerResume(
             strategy=self, module=module, engine=self._engine,
             options=zero_io.storage_options if zero_io is not None else {},
             strict=bool(getattr(module, "strict_loading", True)), may_lack=self._may_lack(module),
@@ -545,12 +547,15 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # Lightning's argument (fit/validate/test/predict(..., weights_only=...)): None is torch's default, True.
             trusted=weights_only is not None and not weights_only,
         )
-        self._loaded_by_strategy = False
-        result = resume.run(os.fspath(checkpoint_path), zero_io, self.zero_config.shard_group_size)
-        self._pending_weights = resume.pending[0] if resume.pending else None
+        self._weights_handoff = None
+        result = resume.run(os.fspath(checkpoint_path), None if zero_io is None else entry.link_of(zero_io),
+                            self.zero_config.shard_group_size)
         if self._engine is not None and not resume.pending:
-            publish(self._engine, module)  # collectives only once every rank has loaded
-        self._loaded_by_strategy = not hook_first
+            entry.publish(self._engine, module)  # collectives only once every rank has loaded
+        if not hook_first:
+            self._weights_handoff = _ALREADY_LOADED
+        elif resume.pending:
+            self._weights_handoff = resume.pending[0]
         return result
 
     def _may_lack(self, module: LightningModule) -> frozenset[str]:
@@ -562,40 +567,41 @@ class ZeroLowLevelStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._loaded_by_strategy:
-            return  # already in the engine (and gathered into the model) by `load_checkpoint`
+        handoff, self._weights_handoff = self._weights_handoff, None
+        if handoff is _ALREADY_LOADED:
+            return  # already in the engine (and gathered into the model), or in the module, by `load_checkpoint`
         module = self.lightning_module
         assert module is not None
-        pending, self._pending_weights = self._pending_weights, None
-        if pending is not None and self._engine is not None:
+        if isinstance(handoff, entry.PendingWeights) and self._engine is not None:
             # After the module's on_load_checkpoint ([Note: hook before weights] in checkpoint/lightning/hook_weights.py).
-            apply_pending_weights(self._engine, module, pending, checkpoint["state_dict"], strict,
-                                               self._may_lack(module))
-            publish(self._engine, module)
+            entry.apply_pending_weights(self._engine, module, handoff, checkpoint["state_dict"], strict,
+                                        self._may_lack(module))
+            entry.publish(self._engine, module)
             return
-        keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
+        entry.keep_own_values(module, checkpoint["state_dict"], "the checkpoint", strict, self._may_lack(module))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._replica_groups is not None and self._engine_live and not self._replica_groups.writes_checkpoints():
+        if self._replica_groups is not None and self._live and not self._replica_groups.writes_checkpoints():
             return  # the group that writes the checkpoints removes them (ModelCheckpoint's top-k runs in every group)
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None and self._engine_live:
+        if self._engine is not None and self._live:
             # Hooks off, state kept: `trainer.save_checkpoint` after fit saves what the last step had.
             self._last_shard_numel = self._engine.optimizer_shard_numel
             self._engine.close()
-            self._engine_live = False
+        if self._lifecycle.fitting:
+            self._lifecycle.enter(Phase.FITTED, "teardown")
         if self._replica_groups is not None:
             self._replica_groups.close()
             self._replica_groups = None
         super().teardown()  # the plugin's teardown finalizes the save in flight
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            self.checkpoint_io.release()  # its thread and group end with the run; a later save makes them again
+            entry.link_of(self.checkpoint_io).release()  # its thread and group end with the run; a later save makes them again
 
     @classmethod
     @override
@@ -607,24 +613,6 @@ class ZeroLowLevelStrategy(DDPStrategy):
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage, override=True)
-
-
-class _ClaimAwareExists:
-    """``ModelCheckpoint.file_exists`` that also counts the names of async saves not yet committed.
-
-    ModelCheckpoint picks a free ``-vN`` name by asking whether the file exists (rank 0, then an any-
-    reduction). An async save's path exists only once it has committed, so the next save chose the same
-    name again and replaced it: with ``save_top_k=-1`` ("keep all") checkpoints were lost
-    (Lightning's ``test_ckpt_version_after_rerun_same_trainer``). A name counts as taken from the
-    moment its save is queued. A class, not a closure: the Trainer pickles."""
-
-    def __init__(self, callback: ModelCheckpoint, io: ZeroCheckpointIO) -> None:
-        self.callback = callback
-        self.io = io
-
-    def __call__(self, filepath: Any, trainer: Trainer) -> bool:
-        taken = trainer.is_global_zero and (self.io.is_claimed(filepath) or self.callback._fs.exists(filepath))
-        return trainer.strategy.reduce_boolean_decision(bool(taken), all=False)
 
 
 def _clip_grad_by_value_on_shards(optimizer: Optimizer, clip_val: float) -> None:

@@ -1,8 +1,7 @@
 """The shape ARCHITECTURE.md describes, held by tests: dependencies one way (no import cycle, imports
-inside functions included), no oversized module, and the strategy entering the checkpoint package
-only through its public names, the two mapping modules (``lightning_tree``, ``engine_tree``) and the resume
-(``resume``, ``hook_weights``), and the
-checkpoint package's subpackages importing one way (``LAYERS``)."""
+inside functions included), no oversized module, the front ends entering the checkpoint package through
+at most two modules (its public names and ``checkpoint/lightning/entry.py``), and the checkpoint
+package's subpackages importing one way (``LAYERS``)."""
 
 from __future__ import annotations
 
@@ -103,31 +102,59 @@ def test_no_module_is_oversized(name: str) -> None:
     assert lines <= limit, f"{path} has {lines} lines (at most {limit}): split it by concern"
 
 
-def test_the_strategy_enters_the_checkpoint_package_through_public_names_and_the_mapping_modules() -> None:
-    modules = _modules()
-    allowed = {("lightning_zero.checkpoint", name) for name in lightning_zero.checkpoint.__all__}
-    allowed |= {("lightning_zero.checkpoint", "engine_tree"), ("lightning_zero.checkpoint.lightning", "lightning_tree")}
-    resume_modules = {"lightning_zero.checkpoint.lightning.resume", "lightning_zero.checkpoint.lightning.hook_weights"}
-    tree = ast.parse(modules["lightning_zero.strategy"].read_text())
-    used = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
-            used |= {(node.module, alias.name) for alias in node.names}
-    assert used and {u for u in used if u[0] not in resume_modules} <= allowed, used - allowed
-    assert {u[0] for u in used} & resume_modules  # the resume is one named place, which the strategy calls
+FRONT_ENDS = ("lightning_zero.strategy", "lightning_zero.fabric")
+ENTRY_MODULES = frozenset({"lightning_zero.checkpoint", "lightning_zero.checkpoint.lightning.entry"})
+"""The only modules of the checkpoint package the Trainer's and Fabric's strategies import from: its public
+names, and the one Lightning-side entry point."""
 
 
-def test_fabric_enters_the_checkpoint_package_through_public_names_and_its_mapping() -> None:
+def _checkpoint_modules_imported(path: Path, modules: dict[str, Path]) -> dict[str, set[str]]:
+    """The checkpoint package's modules ``path`` imports from (functions included) -> the names it takes."""
+    used: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("lightning_zero.checkpoint"):
+                    used.setdefault(alias.name, set())
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
+            for alias in node.names:
+                # `from package import module` names the module it imports
+                target = f"{node.module}.{alias.name}"
+                module, name = (target, "*") if target in modules else (node.module or "", alias.name)
+                used.setdefault(module, set()).add(name)
+    return used
+
+
+def _entry_breaks(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    used = _checkpoint_modules_imported(path, modules)
+    breaks = [f"{name} imports {module}" for module in sorted(set(used) - ENTRY_MODULES)]
+    public = set(lightning_zero.checkpoint.__all__)
+    breaks += [f"{name} imports {n} from lightning_zero.checkpoint, not one of its public names"
+               for n in sorted(used.get("lightning_zero.checkpoint", set()) - public)]
+    return breaks
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_a_front_end_enters_the_checkpoint_package_through_its_public_names_and_one_entry_module(
+        front_end: str) -> None:
     modules = _modules()
-    allowed = {("lightning_zero.checkpoint", name) for name in lightning_zero.checkpoint.__all__}
-    allowed |= {("lightning_zero.checkpoint.lightning.fabric_tree", "fabric_tree"),
-                ("lightning_zero.checkpoint.lightning.fabric_tree", "plain_fabric_tree"),
-                ("lightning_zero.checkpoint.reader", "to_fabric_layout")}
-    used = set()
-    for node in ast.walk(ast.parse(modules["lightning_zero.fabric"].read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_zero.checkpoint"):
-            used |= {(node.module, alias.name) for alias in node.names}
-    assert used and used <= allowed, used - allowed
+    assert _checkpoint_modules_imported(modules[front_end], modules)  # it does use the package
+    assert _entry_breaks(front_end, modules[front_end], modules) == []
+
+
+def test_the_entry_check_finds_a_front_end_reaching_past_the_entry(tmp_path: Path) -> None:
+    modules = _modules()
+    module = tmp_path / "front.py"
+    module.write_text("from lightning_zero.checkpoint import ZeroCheckpointIO, saver\n"
+                      "from lightning_zero.checkpoint.lightning import entry, resume\n"
+                      "def f():\n    from lightning_zero.checkpoint.lightning.plugin import link_of\n"
+                      "import lightning_zero.checkpoint.engine_tree\n")
+    assert _entry_breaks("front", module, modules) == [
+        "front imports lightning_zero.checkpoint.engine_tree",
+        "front imports lightning_zero.checkpoint.lightning.plugin",
+        "front imports lightning_zero.checkpoint.lightning.resume",
+        "front imports lightning_zero.checkpoint.saver",
+    ]
 
 
 LAYERS: dict[str, set[str]] = {

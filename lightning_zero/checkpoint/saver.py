@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zero.checkpoint.formats.tree import map_leaves, shard_group_size_of
 from lightning_zero.checkpoint.modes import MODES, CheckpointMode, Mode, SaveTarget, mode_named
+from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
 from lightning_zero.checkpoint.runtime.staging import ready_event
 from lightning_zero.checkpoint.runtime.stats import SaveStats
@@ -37,7 +38,6 @@ from lightning_zero.checkpoint.runtime.team import (
     Team,
     all_gather_objects,
     make_team,
-    release_group,
 )
 from lightning_zero.checkpoint.store import cleanup, file_io, storage
 from lightning_zero.checkpoint.store.storage import Location
@@ -112,9 +112,8 @@ def release() -> None:
     """(every rank, training thread, after the last save was finalized) End the saver's worker thread and
     the coordination group, so that a finished run leaves nothing of this package running and repeated
     fits in one process do not accumulate groups; the next save or load makes them again (collectively:
-    every rank saves and loads together)."""
-    checkpointer().shut_down()
-    release_group()
+    every rank saves and loads together). [Note: process-wide checkpoint state]"""
+    process.state().close()
 
 
 def wait_for_staging() -> None:

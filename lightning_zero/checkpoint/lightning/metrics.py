@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO, link_of
 from lightning_zero.checkpoint.runtime.scheduler import checkpointer
 from lightning_zero.checkpoint.runtime.stats import METRIC_PREFIX, SaveStats
 
@@ -61,7 +61,7 @@ class CheckpointMetrics(Callback):
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, ZeroCheckpointIO) or trainer.global_step <= self._start_step:
             return
-        done = io.record_first_step()  # None without a resume, or once the timeline is complete
+        done = link_of(io).record_first_step()  # None without a resume, or once the timeline is complete
         if done is None or not trainer.is_global_zero:
             return
         for logger in trainer.loggers:

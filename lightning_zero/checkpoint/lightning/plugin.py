@@ -1,5 +1,12 @@
-"""ZeroCheckpointIO: the Lightning CheckpointIO plugin over the async saver, and the one door of the
-checkpoint package for ZeroLowLevelStrategy (the staging fence, finalizing, the coordination group)."""
+"""ZeroCheckpointIO: the Lightning CheckpointIO plugin over the async saver, and its :class:`StrategyLink`, the
+part only the front ends call (the staging fence, the coordination group, where this rank is, the names of
+saves in flight, the local tier's choice for ``ckpt_path="last"`` and a recovery's timeline).
+
+[Note: the plugin's two faces] The plugin's public methods are what a user calls (Lightning's ``CheckpointIO``
+interface, ``finalize``, ``last_save_stats``, ``last_load``), and the API reference lists only those. What
+ZeroLowLevelStrategy, its Fabric twin, Lightning's fixes, the resume and the metrics callback ask of the
+plugin is on its :class:`StrategyLink` (:func:`link_of`), which also holds the state only they write. One
+link per plugin, made with it, so that every front end sees the same placement and claims."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -70,17 +78,14 @@ class ZeroCheckpointIO(CheckpointIO):
         self.local_tier = local_tier
         self.persist_every = persist_every
         self._tiers = TierRuntime(persist_every) if local_tier is not None else None
-        self._node_rank = 0
-        self._local_rank = 0
-        self.tiered_last: list[str] | None = None  # set by the ckpt_path="last" lookup: the durable candidates
         self.last_load: TierLoad | None = None
-        self._timeline_open = False  # training thread only: record_load opens it, the first step or teardown closes it
+        """How the newest resume through the local tier's choice (``ckpt_path="last"``) went: the tier read, the
+        path, the seconds of each part; None without one."""
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
         self.tuning = tuning or DEFAULT_TUNING
         self._plain = TorchCheckpointIO()
-        # Paths this plugin has saved to (queued, in flight or committed) and not removed since.
-        self._claimed: set[str] = set()
+        self._link = StrategyLink(self)  # [Note: the plugin's two faces]
 
     def __repr__(self) -> str:  # storage_options may hold credentials: not shown
         tier = f", local_tier={self.local_tier!r}, persist_every={self.persist_every}" if self.local_tier else ""
@@ -100,7 +105,7 @@ class ZeroCheckpointIO(CheckpointIO):
         if checkpoint.get(TREE_TAG) == PLAIN:
             # Every rank takes part (the save's agreement runs on the coordination group); rank 0 writes. With a
             # local tier too the file goes to the path given: it is small, and any tool must find it there.
-            self._claimed.add(_claim_key(path))
+            self._link.claim(path)
             saver.async_save({k: v for k, v in checkpoint.items() if k != TREE_TAG}, os.fspath(path), mode="full",
                              storage_options=options, tuning=self.tuning, plain=True)
             if not self.async_save:
@@ -110,9 +115,9 @@ class ZeroCheckpointIO(CheckpointIO):
             # Not a tree from ZeroLowLevelStrategy (e.g. the spawn launcher handing weights to the
             # main process): an ordinary synchronous single-file save by this rank.
             self._plain.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            self._claimed.add(_claim_key(path))
+            self._link.claim(path)
             return
-        self._claimed.add(_claim_key(path))
+        self._link.claim(path)
         tree = {k: v for k, v in checkpoint.items() if k != MARKER_FIELDS}
         fields = checkpoint.get(MARKER_FIELDS) or {}
         tier = None
@@ -120,10 +125,11 @@ class ZeroCheckpointIO(CheckpointIO):
             url = os.fspath(path)
             self._tiers.cancel_removal(url)
             step = fields.get("global_step") if isinstance(fields.get("global_step"), int) else None
-            tier = TierSave(tier=self.local_tier, root=self.local_tier.root(self._node_rank, self._local_rank),
+            link = self._link
+            tier = TierSave(tier=self.local_tier, root=self.local_tier.root(link.node_rank, link.local_rank),
                             name=os.path.basename(url.rstrip("/")), durable_url=url,
-                            persist=self._tiers.next_persists(step), node_rank=self._node_rank,
-                            local_rank=self._local_rank, step=step, marker_fields=dict(fields),
+                            persist=self._tiers.next_persists(step), node_rank=link.node_rank,
+                            local_rank=link.local_rank, step=step, marker_fields=dict(fields),
                             runtime=self._tiers, storage_options=options)
             self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
@@ -144,78 +150,30 @@ class ZeroCheckpointIO(CheckpointIO):
         local tier, until a newer save has committed on the durable path (most saves never reach it)."""
         if self._tiers is not None:
             self._tiers.defer_removal(os.fspath(path))
-            self._claimed.discard(_claim_key(path))
+            self._link.unclaim(path)
             return
         saver.remove(os.fspath(path), self.storage_options)
-        self._claimed.discard(_claim_key(path))
-
-    def is_claimed(self, path: Any) -> bool:
-        """Whether this process saved to ``path`` and has not removed it: a name that is taken although
-        an async save has not committed there yet (Lightning's ``ModelCheckpoint`` asks whether a
-        file exists to pick its ``-vN`` name; ZeroLowLevelStrategy makes it ask this too)."""
-        return _claim_key(path) in self._claimed
-
-    def set_up(self, local_ranks: int | None = None, node_rank: int | None = None,
-               local_rank: int | None = None) -> None:
-        """(collective, every rank, training thread) Create the group background saves coordinate over,
-        so that no save has to make a collective on the training thread. ``local_ranks``: the ranks on
-        this node, which share its CPUs between their reader threads; ``node_rank``/``local_rank``: where
-        this rank is (the local tier's directory and replication ring)."""
-        set_up_coordination(local_ranks)
-        self.place(node_rank, local_rank)
-
-    def place(self, node_rank: int | None, local_rank: int | None) -> None:
-        """This rank's node and local rank (the local tier's directory and ring); no collective."""
-        if node_rank is not None:
-            self._node_rank = node_rank
-        if local_rank is not None:
-            self._local_rank = local_rank
-
-    def tier_root(self) -> str | None:
-        """This rank's directory of the local tier (None without one)."""
-        return self.local_tier.root(self._node_rank, self._local_rank) if self.local_tier is not None else None
-
-    def resolve_last(self, shard_group_size: int | None = None) -> TierChoice | None:
-        """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
-        resume reads: see :func:`~lightning_zero.checkpoint.tiered.recovery.resolve_last`. None otherwise.
-        ``shard_group_size``: the resuming strategy's (None: the whole world)."""
-        durable, self.tiered_last = self.tiered_last, None
-        if durable is None or self.local_tier is None:
-            return None
-        return tier_recovery.resolve_last(self.local_tier, self.tier_root() or "", durable, self.storage_options,
-                                          shard_group_size)
-
-    def wait_for_staging(self) -> None:
-        """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""
-        checkpointer().wait_for_staging()
-
-    def note_blocked(self, seconds: float) -> None:
-        """The caller's measure of the training thread's time in the newest save (tree building included)."""
-        checkpointer().note_blocked(seconds)
+        self._link.unclaim(path)
 
     def finalize(self, blocking: bool = True) -> bool:
         """Finish the save in flight (``blocking``) or check on it; True when none is left. Raises
         :class:`~lightning_zero.checkpoint.CheckpointSaveError` if it failed."""
         return checkpointer().finalize(blocking)
 
-    def link(self, path: Any, link_path: Any) -> None:
-        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed. With
-        a local tier, only for a save that goes to the durable path (the link names a durable checkpoint)."""
-        if self._tiers is not None and not self._tiers.persisted(os.fspath(path)):
-            return
-        saver.link(os.fspath(path), os.fspath(link_path), self.storage_options)
-
     @override
     def teardown(self) -> None:
-        self._timeline_open = False  # a run that took no step after its resume (validate, max_steps reached)
+        """(every rank) Finish the save in flight; with a local tier, write the newest save that reached only
+        the local tier to its durable path (so the durable tier ends with the run's last state) and delete
+        the tier's spare files."""
+        self._link.timeline_open = False  # a run that took no step after its resume (validate, max_steps reached)
         self.finalize()
-        self.persist_newest()
-        if self.local_tier is not None:  # [Note: spare tier files]
-            tier_spares.clear(self.local_tier.root(self._node_rank, self._local_rank))
+        self._persist_newest()
+        root = self._link.tier_root()
+        if root is not None:  # [Note: spare tier files]
+            tier_spares.clear(root)
 
-    def persist_newest(self) -> bool:
-        """(every rank) With a local tier: write the newest save that reached only the local tier to its
-        durable path (the end of fit, so the durable tier ends with the run's last state). True if one was."""
+    def _persist_newest(self) -> bool:
+        """(every rank) The newest save that reached only the local tier, to its durable path. True if one was."""
         kept = self._tiers.take_unpersisted() if self._tiers is not None else None
         if kept is None:
             return False
@@ -232,9 +190,109 @@ class ZeroCheckpointIO(CheckpointIO):
             self.finalize()
         return True
 
+
+class StrategyLink:
+    """What the front ends ask of one :class:`ZeroCheckpointIO`, and the state only they write ([Note: the
+    plugin's two faces]). Callers: ZeroLowLevelStrategy and its Fabric twin (:meth:`set_up`,
+    :meth:`wait_for_staging`, :meth:`note_blocked`, :meth:`count_claims_as_taken`, :meth:`release`), Lightning's fixes
+    (:meth:`place`, :meth:`tier_root`, :meth:`offer_last`, :meth:`link`), the resume (:meth:`resolve_last`,
+    :meth:`record_load`) and ``CheckpointMetrics`` (:meth:`record_first_step`)."""
+
+    def __init__(self, io: ZeroCheckpointIO) -> None:
+        self._io = io
+        self.node_rank = 0
+        self.local_rank = 0
+        """Where this rank is: the local tier's directory and replication ring."""
+        self._claimed: set[str] = set()
+        """Paths the plugin has saved to (queued, in flight or committed) and not removed since."""
+        self._last_candidates: list[str] | None = None
+        """The durable ``last`` candidates Lightning's lookup found (:meth:`offer_last`), for :meth:`resolve_last`."""
+        self.timeline_open = False
+        """Training thread only: :meth:`record_load` opens it, the first step or teardown closes it."""
+
+    def set_up(self, local_ranks: int | None = None, node_rank: int | None = None,
+               local_rank: int | None = None) -> None:
+        """(collective, every rank, training thread) Create the group background saves coordinate over,
+        so that no save has to make a collective on the training thread. ``local_ranks``: the ranks on
+        this node, which share its CPUs between their reader threads; ``node_rank``/``local_rank``: where
+        this rank is (the local tier's directory and replication ring)."""
+        set_up_coordination(local_ranks)
+        self.place(node_rank, local_rank)
+
+    def place(self, node_rank: int | None, local_rank: int | None) -> None:
+        """This rank's node and local rank (the local tier's directory and ring); no collective."""
+        if node_rank is not None:
+            self.node_rank = node_rank
+        if local_rank is not None:
+            self.local_rank = local_rank
+
+    def release(self) -> None:
+        """(every rank, after the last save was finalized) End the worker thread, the staging buffers and the
+        coordination group (the next save or load makes them again)."""
+        saver.release()
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""
+        checkpointer().wait_for_staging()
+
+    def note_blocked(self, seconds: float) -> None:
+        """The caller's measure of the training thread's time in the newest save (tree building included)."""
+        checkpointer().note_blocked(seconds)
+
+    def claim(self, path: Any) -> None:
+        self._claimed.add(_claim_key(path))
+
+    def unclaim(self, path: Any) -> None:
+        self._claimed.discard(_claim_key(path))
+
+    def is_claimed(self, path: Any) -> bool:
+        """Whether this process saved to ``path`` and has not removed it: a name that is taken although
+        an async save has not committed there yet (Lightning's ``ModelCheckpoint`` asks whether a
+        file exists to pick its ``-vN`` name; :meth:`count_claims_as_taken` makes it ask this too)."""
+        return _claim_key(path) in self._claimed
+
+    def count_claims_as_taken(self, callbacks: list[Any]) -> None:
+        """(every rank, at setup) Make each ``ModelCheckpoint`` among ``callbacks`` count the names of saves not yet
+        committed as taken (:class:`_ClaimAwareExists`; idempotent)."""
+        for callback in callbacks:
+            if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
+                                                                        _ClaimAwareExists):
+                # Instance attribute: Lightning's method stays, the user's class is untouched.
+                callback.file_exists = _ClaimAwareExists(callback, self)  # type: ignore[method-assign]
+
+    def link(self, path: Any, link_path: Any) -> None:
+        """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed. With
+        a local tier, only for a save that goes to the durable path (the link names a durable checkpoint)."""
+        tiers = self._io._tiers
+        if tiers is not None and not tiers.persisted(os.fspath(path)):
+            return
+        saver.link(os.fspath(path), os.fspath(link_path), self._io.storage_options)
+
+    def tier_root(self) -> str | None:
+        """This rank's directory of the local tier (None without one)."""
+        tier = self._io.local_tier
+        return tier.root(self.node_rank, self.local_rank) if tier is not None else None
+
+    def offer_last(self, durable: set[str]) -> None:
+        """(every rank) The durable checkpoints Lightning's ``ckpt_path="last"`` lookup found, kept for
+        :meth:`resolve_last` (added to those of an earlier lookup)."""
+        self._last_candidates = sorted(set(self._last_candidates or []) | durable)
+
+    def resolve_last(self, shard_group_size: int | None = None) -> TierChoice | None:
+        """(collective, every rank, when ``ckpt_path="last"`` was asked with a local tier) Which tier the
+        resume reads: see :func:`~lightning_zero.checkpoint.tiered.recovery.resolve_last`. None otherwise.
+        ``shard_group_size``: the resuming strategy's (None: the whole world)."""
+        durable, self._last_candidates = self._last_candidates, None
+        tier = self._io.local_tier
+        if durable is None or tier is None:
+            return None
+        return tier_recovery.resolve_last(tier, self.tier_root() or "", durable, self._io.storage_options,
+                                          shard_group_size)
+
     def record_load(self, choice: TierChoice, seconds: float) -> None:
-        """(every rank) The figures of a resume through :meth:`resolve_last` (``last_load``), logged on rank 0;
-        its timeline is completed by :meth:`record_first_step` ([Note: a recovery's timeline])."""
+        """(every rank) The figures of a resume through :meth:`resolve_last` (the plugin's ``last_load``),
+        logged on rank 0; its timeline is completed by :meth:`record_first_step` ([Note: a recovery's
+        timeline])."""
         load_s = max(seconds - choice.choose_s - choice.reshard_s, 0.0)
         now = time.time()
         began = now - seconds
@@ -248,12 +306,12 @@ class ZeroCheckpointIO(CheckpointIO):
             if choice.last_saved_at is not None:
                 restart_s = max(started - choice.last_saved_at, 0.0)
         count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-        self._timeline_open = True
-        self.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason, step=choice.step,
-                                  choose_s=choice.choose_s, reshard_s=choice.reshard_s, load_s=load_s,
-                                  steps_lost=choice.steps_lost, resharded_from=choice.resharded_from,
-                                  moved=dict(choice.moved), restart_s=restart_s, startup_s=startup_s,
-                                  restarts=int(count) if count.isdigit() else None, ended_at=now)
+        self.timeline_open = True
+        self._io.last_load = TierLoad(choice.tier, choice.path, seconds, choice.reason, step=choice.step,
+                                      choose_s=choice.choose_s, reshard_s=choice.reshard_s, load_s=load_s,
+                                      steps_lost=choice.steps_lost, resharded_from=choice.resharded_from,
+                                      moved=dict(choice.moved), restart_s=restart_s, startup_s=startup_s,
+                                      restarts=int(count) if count.isdigit() else None, ended_at=now)
         making = ("" if choice.tier != "local" else
                   f"resharding from {choice.resharded_from} ranks {choice.reshard_s:.3f} s, " if choice.resharded_from
                   else f"fetching lost files {choice.reshard_s:.3f} s, ")
@@ -265,17 +323,35 @@ class ZeroCheckpointIO(CheckpointIO):
     def record_first_step(self) -> TierLoad | None:
         """(every rank, after the first optimizer step that follows a resume through :meth:`resolve_last`)
         Complete ``last_load``'s timeline; returns it the first time, None after (or without a resume)."""
-        load = self.last_load
-        if load is None or not self._timeline_open:
+        load = self._io.last_load
+        if load is None or not self.timeline_open:
             return None
-        self._timeline_open = False
-        self.last_load = replace(load, first_step_s=max(time.time() - load.ended_at, 0.0))
-        return self.last_load
+        self.timeline_open = False
+        self._io.last_load = replace(load, first_step_s=max(time.time() - load.ended_at, 0.0))
+        return self._io.last_load
 
-    def release(self) -> None:
-        """(every rank, after the last save was finalized) End the worker thread and the coordination
-        group (the next save or load makes them again)."""
-        saver.release()
+
+def link_of(io: ZeroCheckpointIO) -> StrategyLink:
+    """The front ends' side of ``io`` ([Note: the plugin's two faces])."""
+    return io._link
+
+
+class _ClaimAwareExists:
+    """``ModelCheckpoint.file_exists`` that also counts the names of async saves not yet committed.
+
+    ModelCheckpoint picks a free ``-vN`` name by asking whether the file exists (rank 0, then an any-
+    reduction). An async save's path exists only once it has committed, so the next save chose the same
+    name again and replaced it: with ``save_top_k=-1`` ("keep all") checkpoints were lost
+    (Lightning's ``test_ckpt_version_after_rerun_same_trainer``). A name counts as taken from the
+    moment its save is queued. A class, not a closure: the Trainer pickles."""
+
+    def __init__(self, callback: ModelCheckpoint, link: StrategyLink) -> None:
+        self.callback = callback
+        self.link = link
+
+    def __call__(self, filepath: Any, trainer: Any) -> bool:
+        taken = trainer.is_global_zero and (self.link.is_claimed(filepath) or self.callback._fs.exists(filepath))
+        return trainer.strategy.reduce_boolean_decision(bool(taken), all=False)
 
 
 def _claim_key(path: Any) -> str:

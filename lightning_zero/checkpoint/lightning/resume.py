@@ -46,7 +46,7 @@ from lightning_zero.engine import ZeroEngine
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
-    from lightning_zero.checkpoint.lightning.plugin import ZeroCheckpointIO
+    from lightning_zero.checkpoint.lightning.plugin import StrategyLink
     from lightning_zero.checkpoint.tiered.recovery import TierChoice
 
 
@@ -250,18 +250,19 @@ class TrainerResume:
                                  may_lack=self.may_lack, pending=self.pending if self.hook_first else None,
                                  weights_only=not self.trusted)
 
-    def run(self, path: str, io: ZeroCheckpointIO | None, shard_group_size: int | None) -> dict[str, Any]:
-        """(every rank) Load ``path`` (for ``ckpt_path="last"`` with a local tier: the tier ``io`` chooses),
-        falling back as :func:`load_with_fallback` does; ``io`` records the figures. Returns Lightning's part."""
+    def run(self, path: str, link: StrategyLink | None, shard_group_size: int | None) -> dict[str, Any]:
+        """(every rank) Load ``path`` (for ``ckpt_path="last"`` with a local tier: the tier the plugin's ``link``
+        chooses), falling back as :func:`load_with_fallback` does; ``link`` records the figures. Returns
+        Lightning's part."""
         started = time.perf_counter()
-        choice = io.resolve_last(shard_group_size) if io is not None else None
+        choice = link.resolve_last(shard_group_size) if link is not None else None
         if choice is not None and choice.tier == "local":
             loaded, result = self.from_local_tier(choice)
         else:
             loaded, result = load_with_fallback(choice.path if choice is not None else path, self.options,
                                                 self.load_one, self.agree, rank_zero_warn)
-        if choice is not None and io is not None:
-            io.record_load(as_loaded(choice, loaded, result), time.perf_counter() - started)
+        if choice is not None and link is not None:
+            link.record_load(as_loaded(choice, loaded, result), time.perf_counter() - started)
         return result
 
     def from_local_tier(self, choice: TierChoice) -> tuple[str, dict[str, Any]]:

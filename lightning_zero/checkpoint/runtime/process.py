@@ -1,5 +1,6 @@
 """[Note: process-wide checkpoint state] What the checkpoint package keeps for the life of a process, in one
-object (:class:`CheckpointProcess`) with one accessor (:func:`state`), one fork rule and one :func:`reset`.
+object (:class:`CheckpointProcess`) with one accessor (:func:`state`), one end (:meth:`CheckpointProcess.close`),
+one fork rule and one :func:`reset`.
 
 Owned here, and nowhere else:
 
@@ -13,6 +14,13 @@ Owned here, and nowhere else:
 Threads: ``checkpointer``, ``coordination_group`` and ``local_ranks`` are written on the training thread only
 (the group is made and destroyed collectively, by every rank together); the worker thread reads them. The gc
 pause is counted under its lock from any thread.
+
+Lifetime: each part is made at its first use (a save, a load, the strategy's setup) and ended together by
+:meth:`CheckpointProcess.close`, which the front ends call at teardown (``saver.release``), after the last save
+was finalized: the worker thread has left, the staging buffers are dropped and the coordination group is
+destroyed, so a finished run leaves nothing of the package running or pinned. What was measured stays
+(``last_save_stats``), and the next save or load makes the rest again. Threads that live inside one save (the
+readers of a load, the replication of a tier save) are started and joined by that save's job.
 
 Not here, on purpose: DCP keeps its save-plan caches in class attributes of its planner
 (``_compat.save_planner_caches``): :func:`reset` empties them, the planner owns them. Integrity's
@@ -61,6 +69,16 @@ class CheckpointProcess:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards the first creation of ``checkpointer``."""
 
+    def close(self) -> None:
+        """(every rank, training thread, after the last save was finalized) End what this process started: the
+        scheduler's worker thread and staging buffers, and the coordination group (when its process group still
+        exists). The scheduler object and its figures stay."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        group, self.coordination_group = self.coordination_group, None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
 
 _STATE = CheckpointProcess()
 
@@ -94,10 +112,8 @@ def reset() -> None:
                 old.checkpointer.finalize(blocking=True)
             except Exception:  # noqa: BLE001 - a test's failed save; the test saw it or meant it
                 pass
-            old.checkpointer.shut_down()
-        if old.coordination_group is not None and dist.is_available() and dist.is_initialized():
-            with suppress(ValueError, RuntimeError):  # a group of a world destroyed and made again since
-                dist.destroy_process_group(old.coordination_group)
+        with suppress(ValueError, RuntimeError):  # a group of a world destroyed and made again since
+            old.close()
         for cache in _compat.save_planner_caches():
             cache.clear()
     finally:

@@ -121,10 +121,13 @@ class AsyncCheckpointer:
         self.last_stats: SaveStats | None = None
         self._submitted_stats: SaveStats | None = None
 
-    def shut_down(self) -> None:
-        """Wait for what the worker was given and for its thread to end (the next save starts another)."""
+    def close(self) -> None:
+        """(training thread, after the last save was finalized) End what this scheduler started: wait for what
+        the worker was given and for its thread to end, and drop the staging buffers (pinned host memory on
+        GPUs) and streams. The figures of committed saves stay; the next save starts a thread again."""
         self._reap_removals(blocking=True)
         self._worker.join_idle()
+        self.stager = Stager()
 
     def executor(self) -> SerialWorker:
         """The one worker: saves and removals run in submission order."""

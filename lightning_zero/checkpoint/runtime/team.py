@@ -214,11 +214,3 @@ def from_coordinator(read: Callable[[], T], team: Team, what: str) -> T:
         raise received
     return result  # type: ignore[return-value]
 
-
-def release_group() -> None:
-    """Destroy the coordination group (the next save or load makes it again, collectively)."""
-    current = process.state()
-    if current.coordination_group is not None:
-        group, current.coordination_group = current.coordination_group, None
-        if dist.is_initialized():
-            dist.destroy_process_group(group)

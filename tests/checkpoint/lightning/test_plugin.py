@@ -14,6 +14,7 @@ import torch
 
 from lightning_zero import LocalTier, ZeroCheckpointIO
 from lightning_zero.checkpoint import FlatShard, read_mode
+from lightning_zero.checkpoint.lightning.entry import link_of
 from lightning_zero.checkpoint.store import file_io
 from lightning_zero.checkpoint.trainer_state import TREE_TAG
 
@@ -53,10 +54,10 @@ def test_a_checkpoint_the_strategy_did_not_build_is_one_plain_file_written_at_on
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, path)
     assert path.is_file() and not (tmp_path / "_zero_data").exists()
     assert io.load_checkpoint(path)["state_dict"]["w"].tolist() == [1.0, 1.0]
-    assert io.is_claimed(path) and io.is_claimed(f"{path}/")
+    assert link_of(io).is_claimed(path) and link_of(io).is_claimed(f"{path}/")
     io.remove_checkpoint(path)
     assert io.finalize() is True
-    assert not path.exists() and not io.is_claimed(path)
+    assert not path.exists() and not link_of(io).is_claimed(path)
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -75,3 +76,13 @@ def test_async_save_returns_with_the_save_in_flight_and_without_it_committed(
     assert io.finalize(blocking=False) is (not async_save)
     io.finalize()
     assert read_mode(str(tmp_path / "step.ckpt")) == "local"
+
+
+def test_the_plugins_public_methods_are_the_ones_a_user_calls() -> None:
+    """The API reference lists the plugin's public members: what the strategies alone call is on its
+    StrategyLink ([Note: the plugin's two faces] in checkpoint/lightning/plugin.py)."""
+    public = {name for name in vars(ZeroCheckpointIO) if not name.startswith("_")}
+    assert public == {"save_checkpoint", "load_checkpoint", "remove_checkpoint", "teardown", "finalize",
+                      "last_save_stats"}
+    io = ZeroCheckpointIO()
+    assert link_of(io) is link_of(io)  # one link per plugin: every front end sees the same claims and placement

@@ -73,3 +73,29 @@ def test_a_forked_child_starts_with_a_fresh_state_and_keeps_the_parents_referenc
     assert (fresh_scheduler, no_group, inherited, pauses) == (True, True, 1, 0)
     assert gc_on == gc.isenabled()
     assert process.state().local_ranks == 3  # the parent's own state is untouched
+
+
+def test_release_ends_the_worker_the_staging_buffers_and_the_group_and_keeps_the_figures(
+        tmp_path: Path, one_rank: None) -> None:
+    """What the front ends call at teardown ([Note: process-wide checkpoint state]): nothing the package started
+    keeps running or pinned, and the next save starts it again."""
+    import threading
+
+    import torch.distributed as dist
+
+    from lightning_zero.checkpoint import last_save_stats, saver
+
+    async_save({"t": torch.ones(3)}, str(tmp_path / "a.ckpt"), mode="full")
+    maybe_finalize_async_calls(blocking=True)
+    stats = last_save_stats()
+    scheduler = checkpointer()
+    # Stand-ins for a GPU run's pinned buffer and a world's coordination group (this world has one rank).
+    scheduler.stager._host[("t", (3,), torch.float32)] = torch.empty(3)
+    process.state().coordination_group = dist.new_group([0], backend="gloo")
+    saver.release()
+    assert not any(t.name.startswith(scheduler.executor()._name) for t in threading.enumerate())
+    assert checkpointer().stager.host_buffers() == [] and process.state().coordination_group is None
+    assert stats is not None and last_save_stats() is stats
+    async_save({"t": torch.zeros(3)}, str(tmp_path / "b.ckpt"), mode="full")
+    maybe_finalize_async_calls(blocking=True)
+    assert last_save_stats() is not stats
