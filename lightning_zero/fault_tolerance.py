@@ -180,6 +180,7 @@ class ReplicaGroups:
         self._participants = 1
         self._factor: Tensor | None = None
         self._reducing = False  # this step's before_reduction has run
+        self._step_before_quorum = 0  # torchft's step when this step's quorum was asked for
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
         self.data_quorum: DataQuorum | None = None
@@ -229,6 +230,7 @@ class ReplicaGroups:
         """Start this step's quorum, once (before the forward, so the lighthouse's answer overlaps it)."""
         if self._started_at is None:
             self._started_at = time.perf_counter()
+            self._step_before_quorum = self.manager.current_step()  # [Note: a heal counts with its step]
             with self._quorum_errors():  # it first waits for the last quorum's end
                 self.manager.start_quorum()
 
@@ -359,6 +361,8 @@ class ReplicaGroups:
             report.discarded += 1
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
+            if healing:
+                self._forget_heal()
         self._started_at = None
         self._reducing = False
         if committed:
@@ -373,6 +377,18 @@ class ReplicaGroups:
         for callback in self._on_commit:
             callback(committed)
         return committed
+
+    def _forget_heal(self) -> None:
+        """[Note: a heal counts with its step] A group's ranks heal from different sources (torchft spreads them
+        over the live groups), and each rank's transfer succeeds or fails alone: when a source dies during a heal,
+        one rank may hold its source's state and the other its own. torchft then reports the group to the
+        lighthouse at the step of whichever rank asked last, and a group reported at the newest step is not healed
+        again. So a heal stands only with a committed step: after a discarded step that healed this rank, every
+        rank of the group (all see the same decision) goes back to the step it had before that quorum, and the next
+        quorum heals the whole group again, from the groups then alive. No rank keeps a state that its group did
+        not take whole."""
+        manager = self.manager
+        manager.load_state_dict({"step": self._step_before_quorum, "batches_committed": manager.batches_committed()})
 
     def decide(self, optimizer: ZeroOptimizer) -> bool:
         """The pre-update hook of ``optimizer``: :meth:`commit`, and for a discarded step no update (and,

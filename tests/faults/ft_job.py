@@ -8,6 +8,11 @@ every group, so equal digests mean bit-identical state).
 first rank SIGKILLs the group's agent, its workers and itself right after launching its first bucket's hop).
 ``FT_CKPT_DIR``: a sharded checkpoint every 5 steps (and ``last``) there, which one group writes.
 
+``FT_HEAL_SLEEP=S``: a heal this group receives sleeps S seconds before it loads the state (after writing
+``FT_OUT/healing_g<group>_r<rank>``: the time); ``FT_SERVE_SLEEP=S``: a heal this group serves sleeps S seconds
+before it hands its state to torchft (after writing ``FT_OUT/serving_g<group>_r<rank>``). A heal takes ~0.1 s;
+these give a test the time to kill a group in the middle of one.
+
 ``FT_PHASES=1``: each rank also writes ``FT_OUT/phases_g<group>_r<rank>.json``, the mean seconds per step (past
 ``FT_PHASES_WARMUP`` steps, 10 by default) of the step and of the cross-group phases inside it (bench/fault_tolerance.py's
 breakdown).
@@ -172,6 +177,36 @@ def die_inside_the_cross_group_all_reduce(at_step: int, groups: int, trainer_of:
     ReplicaGroups.all_reduce = all_reduce
 
 
+def slow_heals(out: Path, group: int, rank: int) -> None:
+    """``FT_HEAL_SLEEP`` / ``FT_SERVE_SLEEP`` (module docstring): patch ReplicaGroups.register_state so that the
+    engine's state is loaded (healer) or handed out (source) only after a marker file and a sleep."""
+    from lightning_zero.fault_tolerance import ReplicaGroups
+
+    heal_sleep = float(os.environ.get("FT_HEAL_SLEEP", "0"))
+    serve_sleep = float(os.environ.get("FT_SERVE_SLEEP", "0"))
+    original = ReplicaGroups.register_state
+
+    def register_state(self, key, save, load):  # noqa: ANN001, ANN202
+        if key != "engine":
+            return original(self, key, save, load)
+
+        def slow_save():  # noqa: ANN202
+            if serve_sleep:
+                (out / f"serving_g{group}_r{rank}").write_text(str(time.time()))
+                time.sleep(serve_sleep)
+            return save()
+
+        def slow_load(state):  # noqa: ANN001, ANN202
+            if heal_sleep:
+                (out / f"healing_g{group}_r{rank}").write_text(str(time.time()))
+                time.sleep(heal_sleep)
+            load(state)
+
+        return original(self, key, slow_save, slow_load)
+
+    ReplicaGroups.register_state = register_state
+
+
 class Phases(L.Callback):
     """Where a step's time goes: wall-clock seconds in each timed phase, summed over the steps past ``warmup`` (a
     step runs from one ``on_train_batch_start`` to the next, so the loop's own work between steps counts)."""
@@ -239,6 +274,8 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     groups = int(os.environ.get("FT_GROUPS", "2"))
+    if os.environ.get("FT_HEAL_SLEEP") or os.environ.get("FT_SERVE_SLEEP"):
+        slow_heals(out, group, rank)
     if os.environ.get("FT_FABRIC") == "1":
         fabric_main(out, group, world, rank, groups)
         return
