@@ -181,6 +181,7 @@ class ReplicaGroups:
         self._factor: Tensor | None = None
         self._reducing = False  # this step's before_reduction has run
         self._step_before_quorum = 0  # torchft's step when this step's quorum was asked for
+        self._joined_by_heal: bool | None = None  # join's heal: loaded (True) or failed (False); None: none
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
         self.data_quorum: DataQuorum | None = None
@@ -216,10 +217,12 @@ class ReplicaGroups:
             self.manager.wait_quorum()  # a heal's transfer runs inside the quorum (torchft's thread)
         if _torchft_heal_pending(self.manager):
             self.joining = True
+            self._healed_at = None
             try:
                 _torchft_apply_heal(self.manager)
             finally:
                 self.joining = False
+            self._joined_by_heal = self._healed_at is not None  # False: the transfer failed, nothing loaded
             self.config.heals += 1
             self.config.last_heal_s = time.perf_counter() - started
             self.config.steps = self.manager.current_step()
@@ -357,11 +360,15 @@ class ReplicaGroups:
         if healing and self._healed_at is not None:
             report.heals += 1
             report.last_heal_s = time.perf_counter() - heal_start
+        # Did this step's quorum heal this rank, and was a state loaded ([Note: a heal counts with its step])?
+        heal_loaded = self._joined_by_heal if self._joined_by_heal is not None else (
+            self._healed_at is not None if healing else None)
+        self._joined_by_heal = None
         if not committed:
             report.discarded += 1
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
-            if healing:
+            if quorum.place is None and heal_loaded is not None and not self._whole_group_loaded(heal_loaded):
                 self._forget_heal()
         self._started_at = None
         self._reducing = False
@@ -378,15 +385,25 @@ class ReplicaGroups:
             callback(committed)
         return committed
 
+    def _whole_group_loaded(self, loaded: bool) -> bool:
+        """(collective over this group's ranks) Whether every rank of the group loaded its heal's state."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return loaded
+        flag = torch.tensor([1.0 if loaded else 0.0], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True).wait(timedelta(seconds=self.config.timeout_s))
+        return bool(flag.item())
+
     def _forget_heal(self) -> None:
         """[Note: a heal counts with its step] A group's ranks heal from different sources (torchft spreads them
         over the live groups), and each rank's transfer succeeds or fails alone: when a source dies during a heal,
-        one rank may hold its source's state and the other its own. torchft then reports the group to the
-        lighthouse at the step of whichever rank asked last, and a group reported at the newest step is not healed
-        again. So a heal stands only with a committed step: after a discarded step that healed this rank, every
-        rank of the group (all see the same decision) goes back to the step it had before that quorum, and the next
-        quorum heals the whole group again, from the groups then alive. No rank keeps a state that its group did
-        not take whole."""
+        one rank may hold its source's state and the other its own (its step discarded, as the failed transfer
+        says). torchft then reports the group to the lighthouse at the step of whichever rank asked last, and a
+        group reported at the newest step is not healed again. So after a discarded step whose quorum healed this
+        group (it was behind: no place in the quorum, the same on all its ranks), the group's ranks ask each other
+        whether all of them loaded a state (a collective on the group's own process group, only then; after
+        should_commit, which every rank of the group reached). If one did not, each goes back to the step it had
+        before that quorum, and the next quorum heals the whole group again, from the groups then alive: no rank
+        keeps a state that its group did not take whole."""
         manager = self.manager
         manager.load_state_dict({"step": self._step_before_quorum, "batches_committed": manager.batches_committed()})
 
