@@ -18,7 +18,8 @@ Three measurements in one run on 127.0.0.1, each job ``--groups`` x 2 gloo ranks
 3. ``step time``: 2 groups x 2 ranks with fault tolerance and no failure against the same model and data as one
    hybrid-sharded job of 4 ranks without it (ft_job.py's ``FT_HYBRID=1``, ``shard_group_size=2``), no sleep: the
    mean step over the steps past ``--warmup`` from group 0 rank 0's JSON lines, both jobs run one after the other
-   in each repeat.
+   in each repeat; and where that step's time goes: each job's phases (the quorum's wait, the cross-group sums,
+   the commit decision, ...) from ft_job.py's ``FT_PHASES`` timers.
 
 Each is run ``--repeats`` times, interleaved; the report gives medians.
 
@@ -26,6 +27,7 @@ Usage::
 
     .venv/bin/python bench/fault_tolerance.py                 # 3 groups, 3 repeats
     .venv/bin/python bench/fault_tolerance.py --quick         # 2 groups, 1 repeat (tests/bench)
+    .venv/bin/python bench/fault_tolerance.py --only step     # the step-time pairs and their phases alone
 
 The markdown report goes to stdout and to ``bench/out/fault_tolerance.md``.
 """
