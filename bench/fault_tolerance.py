@@ -18,7 +18,8 @@ Three measurements in one run on 127.0.0.1, each job ``--groups`` x 2 gloo ranks
 3. ``step time``: 2 groups x 2 ranks with fault tolerance and no failure against the same model and data as one
    hybrid-sharded job of 4 ranks without it (ft_job.py's ``FT_HYBRID=1``, ``shard_group_size=2``), no sleep: the
    mean step over the steps past ``--warmup`` from group 0 rank 0's JSON lines, both jobs run one after the other
-   in each repeat.
+   in each repeat; and where that step's time goes: each job's phases (the quorum's wait, the cross-group sums,
+   the commit decision, ...) from ft_job.py's ``FT_PHASES`` timers.
 
 Each is run ``--repeats`` times, interleaved; the report gives medians.
 
@@ -26,6 +27,7 @@ Usage::
 
     .venv/bin/python bench/fault_tolerance.py                 # 3 groups, 3 repeats
     .venv/bin/python bench/fault_tolerance.py --quick         # 2 groups, 1 repeat (tests/bench)
+    .venv/bin/python bench/fault_tolerance.py --only step     # the step-time pairs and their phases alone
 
 The markdown report goes to stdout and to ``bench/out/fault_tolerance.md``.
 """
@@ -213,10 +215,14 @@ def mean_step_s(lines: list[dict[str, Any]], warmup: int) -> float:
     return (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0])
 
 
-def step_time_runs(root: Path, steps: int, warmup: int, width: int = 0) -> dict[str, float]:
+PHASES = ("step", "quorum", "hop_wait", "finish_backward", "commit", "should_commit", "optimizer_step")
+
+
+def step_time_runs(root: Path, steps: int, warmup: int, width: int = 0) -> dict[str, Any]:
     """2 groups x 2 ranks with fault tolerance, no failure, then the same hybrid job of 4 ranks without it.
-    ``width``: ft_job.py's model with two hidden layers of that width (0: its 8-16-1 MLP, all overhead)."""
-    env = {"FT_WIDTH": str(width)}
+    ``width``: ft_job.py's model with two hidden layers of that width (0: its 8-16-1 MLP, all overhead).
+    Also each job's phases (ft_job.py's ``FT_PHASES``: mean seconds per step past ``warmup``, group 0 rank 0)."""
+    env = {"FT_WIDTH": str(width), "FT_PHASES": "1", "FT_PHASES_WARMUP": str(warmup)}
     with FTCluster(root / "ft", groups=2, steps=steps, min_replicas=2, env=env) as ft:
         ft.start()  # min_replicas=2: both groups take part from the first step
         for group in range(2):
@@ -229,27 +235,79 @@ def step_time_runs(root: Path, steps: int, warmup: int, width: int = 0) -> dict[
     with_ft = ft.reports(0)
     if not all(r["committed"] and r["participants"] == 2 for r in with_ft):
         raise RuntimeError("a step of the run with no failure was not committed by both groups")
-    return {"with": mean_step_s(with_ft, warmup), "without": mean_step_s(hybrid.reports(0), warmup)}
+    return {"with": mean_step_s(with_ft, warmup), "without": mean_step_s(hybrid.reports(0), warmup),
+            "phases_with": json.loads((root / "ft" / "phases_g0_r0.json").read_text()),
+            "phases_without": json.loads((root / "hybrid" / "phases_g0_r0.json").read_text())}
+
+
+def phase_rows(runs: list[dict[str, Any]], label: str) -> list[str]:
+    """The median over the repeats of each phase's ms per step, with fault tolerance and without."""
+    rows = []
+    for phase in PHASES:
+        with_ft = [r["phases_with"][phase] for r in runs if phase in r["phases_with"]]
+        without = [r["phases_without"][phase] for r in runs if phase in r["phases_without"]]
+        if with_ft:
+            rows.append(f"| {label} | {phase} | {1000 * median(with_ft):.1f} |"
+                        f" {f'{1000 * median(without):.1f}' if without else '-'} |")
+    return rows
+
+
+def summarize_steps(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    steps, wide = results["steps"], results["steps_wide"]
+    return {"with": median([r["with"] for r in steps]), "without": median([r["without"] for r in steps]),
+            "step_ratio": median([r["with"] / r["without"] for r in steps]),
+            "wide_with": median([r["with"] for r in wide]), "wide_without": median([r["without"] for r in wide]),
+            "wide_ratio": median([r["with"] / r["without"] for r in wide])}
 
 
 def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    ft, elastic, steps = results["ft"], results["elastic"], results["steps"]
+    ft, elastic = results["ft"], results["elastic"]
     row = {key: median([r[key] for r in ft]) for key in ("stall", "heal", "transfer")}
     return {**row, "discarded": max(r["discarded"] for r in ft),
             "rejoin_discarded": max(r["rejoin_discarded"] for r in ft),
             "recovery": median([r["recovery"] for r in elastic]), "worker": median([r["worker"] for r in elastic]),
             "resume": median([r["resume"] for r in elastic if r["resume"] is not None] or [float("nan")]),
             "lost": max((r["lost"] for r in elastic if r["lost"] is not None), default=None),
-            "elastic_world": elastic[0]["world"],
-            "with": median([r["with"] for r in steps]), "without": median([r["without"] for r in steps]),
-            "step_ratio": median([r["with"] / r["without"] for r in steps]),
-            "wide_with": median([r["with"] for r in results["steps_wide"]]),
-            "wide_without": median([r["without"] for r in results["steps_wide"]]),
-            "wide_ratio": median([r["with"] / r["without"] for r in results["steps_wide"]])}
+            "elastic_world": elastic[0]["world"], **summarize_steps(results)}
+
+
+def step_rows(args: argparse.Namespace, s: dict[str, Any]) -> list[str]:
+    return ["| 2 x 2 ranks, no failure, no sleep | mean step ms | vs without |", "| --- | ---: | ---: |",
+            f"| fault tolerance (torchft, 2 groups) | {1000 * s['with']:.1f} | {s['step_ratio']:.2f} |",
+            f"| the same hybrid job without it (4 ranks, shard_group_size=2) | {1000 * s['without']:.1f} | 1.00 |",
+            f"| fault tolerance, {args.width}-wide MLP (2 hidden layers) | {1000 * s['wide_with']:.1f}"
+            f" | {s['wide_ratio']:.2f} |",
+            f"| the same hybrid job without it, {args.width}-wide | {1000 * s['wide_without']:.1f} | 1.00 |"]
+
+
+def breakdown_rows(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    if not all("phases_with" in r for r in results["steps"] + results["steps_wide"]):
+        return []
+    return ["| model | phase (group 0 rank 0) | with fault tolerance ms/step | hybrid, without ms/step |",
+            "| --- | --- | ---: | ---: |", *phase_rows(results["steps"], "8-16-1 MLP"),
+            *phase_rows(results["steps_wide"], f"{args.width}-wide MLP"), "",
+            "Phases: `step` from one on_train_batch_start to the next; `quorum` the first reduction of the backward"
+            " (waiting for the quorum started at on_train_batch_start, and what it launches); `hop_wait` waiting for"
+            " the buckets' cross-group sums; `finish_backward` the end of the backward (all reductions waited for);"
+            " `commit` the decision before the update, `should_commit` torchft's round trip inside it;"
+            " `optimizer_step` the engine's optimizer step, which runs Lightning's closure: the forward, the backward,"
+            " the commit and the update.", ""]
+
+
+STEP_NOTE = ("Step time: the mean over steps {first}-{last} of group 0 rank 0, the ratio the median of the per-repeat"
+             " ratios; the small model is ft_job.py's 8-16-1 MLP, so its step is all overhead (the quorum, the"
+             " cross-group all-reduce, the commit), not compute.")
 
 
 def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], command: str,
                  elapsed: float, machine: str) -> str:
+    step_note = STEP_NOTE.format(first=args.warmup + 1, last=args.step_steps)
+    if not results["ft"]:  # --only step
+        s = summarize_steps(results)
+        lines = [f"# Fault tolerance's step time against the same hybrid job without it ({args.repeats} repeat(s),"
+                 " median)", "", f"Command: `{command}` ({elapsed:.0f} s). {machine}", "", *step_rows(args, s), "",
+                 *breakdown_rows(args, results), step_note]
+        return "\n".join(lines) + "\n"
     s = summarize(results)
     g = args.groups
     lost = "-" if s["lost"] is None else str(s["lost"])
@@ -267,14 +325,7 @@ def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any
              f"| torch elastic recovery / fault-tolerance stall | {s['recovery'] / s['stall']:.1f} |",
              "| torch elastic recovery / relaunched group's relaunch -> first committed step"
              f" | {s['recovery'] / s['heal']:.2f} |",
-             "",
-             "| 2 x 2 ranks, no failure, no sleep | mean step ms | vs without |", "| --- | ---: | ---: |",
-             f"| fault tolerance (torchft, 2 groups) | {1000 * s['with']:.1f} | {s['step_ratio']:.2f} |",
-             f"| the same hybrid job without it (4 ranks, shard_group_size=2) | {1000 * s['without']:.1f} | 1.00 |",
-             f"| fault tolerance, {args.width}-wide MLP (2 hidden layers) | {1000 * s['wide_with']:.1f}"
-             f" | {s['wide_ratio']:.2f} |",
-             f"| the same hybrid job without it, {args.width}-wide | {1000 * s['wide_without']:.1f} | 1.00 |",
-             "",
+             "", *step_rows(args, s), "", *breakdown_rows(args, results),
              f"Fault tolerance: lighthouse heartbeat timeout {HEARTBEAT_MS / 1000:.0f} s, quorum tick 0.1 s, the"
              f" groups' timeout_s {results['ft'][0]['timeout_s']:g} s, {args.step_sleep} s of sleep per"
              " step; the stall is the kill to the survivors' next committed step; the steps discarded are retaken, so"
@@ -284,9 +335,7 @@ def build_report(args: argparse.Namespace, results: dict[str, list[dict[str, Any
              f" {TUNED_MONITOR_INTERVAL} --rdzv-conf {TUNED_RDZV_CONF}`, examples/elastic.py's MLP, a local-tier save"
              " every step (steps lost: the newest save before the kill minus the step resumed), the kill to"
              f" rank 0's first step done after its restart (worker start -> first step {s['worker']:.2f} s of it,"
-             f" the resume {s['resume']:.2f} s). Step time: the mean over steps {args.warmup + 1}-{args.step_steps} of"
-             " group 0 rank 0, the ratio the median of the per-repeat ratios; the model is ft_job.py's 8-16-1 MLP, so"
-             " the step is all overhead (quorum, the managed all-reduce, the commit), not compute."]
+             f" the resume {s['resume']:.2f} s). " + step_note]
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--step-steps", type=int, default=60, help="steps of each step-time run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the step time")
     parser.add_argument("--quick", action="store_true", help="2 groups, 1 repeat, 40 steps per step-time run")
+    parser.add_argument("--only", choices=("all", "step"), default="all",
+                        help="step: only the step-time pairs (no kill runs, no torch elastic)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the jobs' logs and reports go")
     parser.add_argument("--tier-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="torch elastic's local tier")
@@ -324,16 +375,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         machine = describe_machine(str(work)).replace("checkpoints in", "logs in")
         print(f"fault_tolerance: {args.groups} x 2 ranks, {args.repeats} repeat(s), work in {work}", flush=True)
         for index in range(args.repeats):
-            results["ft"].append(fault_tolerance_run(work / f"ft{index}", args.groups, args.step_sleep,
-                                                     args.kill_after, args.timeout))
-            print(f"fault tolerance #{index}: {results['ft'][-1]}", flush=True)
-            results["elastic"].append(elastic_run(work / f"elastic{index}", tier / f"elastic{index}", args.groups,
-                                                  args.step_sleep, args.kill_after))
-            print(f"torch elastic #{index}: {results['elastic'][-1]}", flush=True)
+            if args.only == "all":
+                results["ft"].append(fault_tolerance_run(work / f"ft{index}", args.groups, args.step_sleep,
+                                                         args.kill_after, args.timeout))
+                print(f"fault tolerance #{index}: {results['ft'][-1]}", flush=True)
+                results["elastic"].append(elastic_run(work / f"elastic{index}", tier / f"elastic{index}",
+                                                      args.groups, args.step_sleep, args.kill_after))
+                print(f"torch elastic #{index}: {results['elastic'][-1]}", flush=True)
             results["steps"].append(step_time_runs(work / f"steps{index}", args.step_steps, args.warmup))
             results["steps_wide"].append(step_time_runs(work / f"wide{index}", args.step_steps, args.warmup,
                                                         args.width))
-            print(f"step time #{index}: {json.dumps(results['steps'][-1])}", flush=True)
+            print(f"step time #{index}: {json.dumps(results['steps'][-1])}\n"
+                  f"  {args.width}-wide: {json.dumps(results['steps_wide'][-1])}", flush=True)
         failed = False
     finally:
         shutil.rmtree(tier, ignore_errors=True)

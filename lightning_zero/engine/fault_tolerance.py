@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import AllreduceOptions
 
 if TYPE_CHECKING:
     from lightning_zero.engine.optimizer import ZeroOptimizer
@@ -111,6 +112,12 @@ class FaultTolerance:
 
 def import_torchft() -> Any:
     """torchft, or an error naming the extra that installs the tested version."""
+    # torchft's Rust half logs at INFO unless RUST_LOG says otherwise: about ten lines a step (every quorum and
+    # commit), written by the training processes. Read once, when its extension is imported: WARN for it, unless
+    # the user asked for a level; the variable is put back, so nothing else in the process sees it.
+    quiet = "RUST_LOG" not in os.environ
+    if quiet:
+        os.environ["RUST_LOG"] = "warn"
     try:
         import torchft
         import torchft.process_group  # noqa: F401
@@ -118,6 +125,9 @@ def import_torchft() -> Any:
         raise ImportError(
             f"Fault tolerance needs torchft, which is not installed ({exc}). Install the tested version with {FT_EXTRA}."
         ) from exc
+    finally:
+        if quiet:
+            del os.environ["RUST_LOG"]
     return torchft
 
 
@@ -152,6 +162,7 @@ class ReplicaGroups:
         timeout = timedelta(seconds=config.timeout_s)
         # On GPUs the cross-group reduction runs on NCCL (gloo would stage every byte through the host).
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._pg = pg  # the Manager reconfigures it at each new quorum; the buckets' hop runs on it
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replica_groups,
             use_async_quorum=True, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
@@ -168,6 +179,9 @@ class ReplicaGroups:
         self._contributors_work: Any = None
         self._participants = 1
         self._factor: Tensor | None = None
+        self._reducing = False  # this step's before_reduction has run
+        self._step_before_quorum = 0  # torchft's step when this step's quorum was asked for
+        self._joined_by_heal: bool | None = None  # join's heal: loaded (True) or failed (False); None: none
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
         self.data_quorum: DataQuorum | None = None
@@ -203,10 +217,12 @@ class ReplicaGroups:
             self.manager.wait_quorum()  # a heal's transfer runs inside the quorum (torchft's thread)
         if _torchft_heal_pending(self.manager):
             self.joining = True
+            self._healed_at = None
             try:
                 _torchft_apply_heal(self.manager)
             finally:
                 self.joining = False
+            self._joined_by_heal = self._healed_at is not None  # False: the transfer failed, nothing loaded
             self.config.heals += 1
             self.config.last_heal_s = time.perf_counter() - started
             self.config.steps = self.manager.current_step()
@@ -217,6 +233,7 @@ class ReplicaGroups:
         """Start this step's quorum, once (before the forward, so the lighthouse's answer overlaps it)."""
         if self._started_at is None:
             self._started_at = time.perf_counter()
+            self._step_before_quorum = self.manager.current_step()  # [Note: a heal counts with its step]
             with self._quorum_errors():  # it first waits for the last quorum's end
                 self.manager.start_quorum()
 
@@ -230,32 +247,77 @@ class ReplicaGroups:
         self.data_quorum = None if saved is None else dataclasses.replace(DataQuorum(*saved), place=None)
 
     def before_reduction(self) -> None:
-        """The first reduction of a backward: the quorum is known; average over its participants.
+        """The first reduction of a step: the quorum is known; average over its participants. Once per step
+        (a backward's end calls it again, and so does each backward of an accumulated step).
 
-        [Note: contributors] torchft zeroes a healing rank's contribution, but counts its group among
-        the participants when it heals at the same step as its source (the first step's weight sync
-        heals, per group rank, from one group or another). So each backward also sums a 1 from every
-        rank that contributes (a one-element all-reduce beside the buckets'), and each reduced row is
-        rescaled by ``participants / contributors``: the average over the groups that contributed to
-        that shard, exact whatever heals. On the device, no host read: the factor is a tensor."""
+        [Note: contributors] torchft zeroes a healing rank's contribution, and counts among the participants
+        only the groups at the quorum's newest step, so a group that heals because it is behind is neither
+        summed nor counted. One heal is counted all the same: at the job's first step (the quorum's step 0)
+        torchft's weight sync heals every group but one, per group rank, from one group or another, and every
+        group is at step 0, so counted. At that step each backward also sums a 1 from every rank that
+        contributes (a one-element all-reduce beside the buckets'), and each reduced row is rescaled by
+        ``participants / contributors``: the average over the groups that contributed to that shard, exact
+        whatever heals. The quorum's step (``current_step`` once the quorum is in: a healer takes its source's)
+        is the same on every rank of every group in the quorum, so all take the same branch and launch the same
+        collectives; past step 0 the all-reduce and the rescaling are skipped (a factor of 1). On the device,
+        no host read: the factor is a tensor."""
+        if self._reducing:
+            return
+        self._reducing = True
         self.start_step()
         with self._quorum_errors():
             participants = max(self.manager.num_participants(), 1)
         for bucket in self._buckets:
             bucket.average_over = self.group_size * participants
-        self._contributors = torch.ones(1, dtype=torch.float32, device=self._device)
-        self._contributors_work = self.manager.allreduce(self._contributors, reduce_op=dist.ReduceOp.SUM)
         self._participants = participants
         self._factor = None
+        self._contributors_work = None
+        if self.manager.current_step() == 0:  # the weight sync may count a healer: [Note: contributors]
+            self._contributors = torch.ones(1, dtype=torch.float32, device=self._device)
+            self._contributors_work = self.all_reduce(self._contributors).work
 
     def all_reduce(self, tensor: Tensor) -> Any:
         """(cross-group) Sum ``tensor`` over the contributing groups, rescaled as [Note: contributors]
-        says; a failure is swallowed and makes :meth:`commit` discard the step."""
-        return _RescaledWork(self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM), tensor, self)
+        says; a failure is swallowed and makes :meth:`commit` discard the step.
 
-    def rescale_factor(self) -> Tensor:
-        if self._factor is None:
-            self._contributors_work.wait(timedelta(seconds=self.config.timeout_s))
+        [Note: the cross-group hop] This is torchft's ``Manager.allreduce`` with the same rules (no collective
+        once the step has failed, zeros from a healing rank, a failure reported to the Manager, which discards
+        the step), on the same process group, without its wrapping: torchft chains futures on each work and
+        arms a timeout on its timer thread when it is waited for, thread hand-offs that cost a step more than
+        the sum itself on a small model (BENCHMARKS.md). The wait is bounded by ``timeout_s`` here."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return _CrossGroupSum(None, tensor, self)
+        with self._quorum_errors():
+            manager.wait_quorum()  # the process group is (re)configured by the quorum
+        if not manager.is_participating():
+            tensor.zero_()
+        options = AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        try:
+            work = self._pg.allreduce([tensor], options)
+        except Exception as exc:  # a peer already gone: the step is discarded
+            manager.report_error(exc)
+            work = None
+        return _CrossGroupSum(work, tensor, self)
+
+    def wait_hop(self, work: Any) -> bool:
+        """Wait for a cross-group work within ``timeout_s``; False (and the failure reported) if it failed."""
+        if work is None:
+            return False
+        try:
+            work.wait(timedelta(seconds=self.config.timeout_s))
+        except Exception as exc:
+            self.manager.report_error(exc)
+            return False
+        return True
+
+    def rescale_factor(self) -> Tensor | None:
+        """``participants / contributors`` of this step, or None where every participant contributes (or
+        the step failed: it is discarded)."""
+        if self._factor is None and self._contributors_work is not None:
+            if not self.wait_hop(self._contributors_work):
+                return None
             self._factor = self._contributors.clamp(min=1.0).reciprocal().mul_(float(self._participants))
         return self._factor
 
@@ -298,11 +360,18 @@ class ReplicaGroups:
         if healing and self._healed_at is not None:
             report.heals += 1
             report.last_heal_s = time.perf_counter() - heal_start
+        # Did this step's quorum heal this rank, and was a state loaded ([Note: a heal counts with its step])?
+        heal_loaded = self._joined_by_heal if self._joined_by_heal is not None else (
+            self._healed_at is not None if healing else None)
+        self._joined_by_heal = None
         if not committed:
             report.discarded += 1
             assert self._started_at is not None
             report.last_stall_s = time.perf_counter() - self._started_at
+            if quorum.place is None and heal_loaded is not None and not self._whole_group_loaded(heal_loaded):
+                self._forget_heal()
         self._started_at = None
+        self._reducing = False
         if committed:
             self.data_quorum = quorum
         else:
@@ -315,6 +384,28 @@ class ReplicaGroups:
         for callback in self._on_commit:
             callback(committed)
         return committed
+
+    def _whole_group_loaded(self, loaded: bool) -> bool:
+        """(collective over this group's ranks) Whether every rank of the group loaded its heal's state."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return loaded
+        flag = torch.tensor([1.0 if loaded else 0.0], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True).wait(timedelta(seconds=self.config.timeout_s))
+        return bool(flag.item())
+
+    def _forget_heal(self) -> None:
+        """[Note: a heal counts with its step] A group's ranks heal from different sources (torchft spreads them
+        over the live groups), and each rank's transfer succeeds or fails alone: when a source dies during a heal,
+        one rank may hold its source's state and the other its own (its step discarded, as the failed transfer
+        says). torchft then reports the group to the lighthouse at the step of whichever rank asked last, and a
+        group reported at the newest step is not healed again. So after a discarded step whose quorum healed this
+        group (it was behind: no place in the quorum, the same on all its ranks), the group's ranks ask each other
+        whether all of them loaded a state (a collective on the group's own process group, only then; after
+        should_commit, which every rank of the group reached). If one did not, each goes back to the step it had
+        before that quorum, and the next quorum heals the whole group again, from the groups then alive: no rank
+        keeps a state that its group did not take whole."""
+        manager = self.manager
+        manager.load_state_dict({"step": self._step_before_quorum, "batches_committed": manager.batches_committed()})
 
     def decide(self, optimizer: ZeroOptimizer) -> bool:
         """The pre-update hook of ``optimizer``: :meth:`commit`, and for a discarded step no update (and,
@@ -363,16 +454,19 @@ def _torchft_apply_heal(manager: Any) -> None:
     manager._healing = False
 
 
-class _RescaledWork:
-    """A bucket row's cross-group sum: once it has arrived, rescaled by [Note: contributors]."""
+class _CrossGroupSum:
+    """A bucket row's cross-group sum ([Note: the cross-group hop]): once it has arrived, rescaled by
+    [Note: contributors]. ``work`` None: the step had failed before it (nothing was sent)."""
 
     def __init__(self, work: Any, tensor: Tensor, groups: ReplicaGroups) -> None:
         self.work, self.tensor, self.groups = work, tensor, groups
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self.work.wait(timeout)
-        self.tensor.mul_(self.groups.rescale_factor().to(self.tensor.dtype))
-        return True
+        if self.groups.wait_hop(self.work):
+            factor = self.groups.rescale_factor()
+            if factor is not None:
+                self.tensor.mul_(factor.to(self.tensor.dtype))
+        return True  # a failed sum leaves the row as it is: commit discards the step
 
 
 def engine_state(engine: Any) -> dict[str, Any]:

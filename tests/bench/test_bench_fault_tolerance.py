@@ -95,3 +95,18 @@ def test_the_quick_run_reports_the_stall_the_heal_the_elastic_recovery_and_the_s
                      re.M), text
     assert re.search(r"^\| torch elastic recovery / fault-tolerance stall \| [\d.]+ \|$", text, re.M), text
     assert re.search(r"^\| fault tolerance \(torchft, 2 groups\) \| [\d.]+ \| [\d.]+ \|$", text, re.M), text
+
+
+def test_the_step_only_report_gives_the_step_times_and_the_phases_side_by_side(ft_bench: Any) -> None:
+    phases_with = {"steps": 50, "step": 0.030, "quorum": 0.006, "hop_wait": 0.004, "commit": 0.005,
+                   "should_commit": 0.0045, "finish_backward": 0.009, "optimizer_step": 0.024}
+    phases_without = {"steps": 50, "step": 0.020, "finish_backward": 0.011, "optimizer_step": 0.015}
+    run = {"with": 0.030, "without": 0.020, "phases_with": phases_with, "phases_without": phases_without}
+    results = {"ft": [], "elastic": [], "steps": [run], "steps_wide": [{**run, "with": 0.110, "without": 0.100}]}
+    args = argparse.Namespace(groups=2, repeats=1, step_sleep=0.05, warmup=10, step_steps=60, width=1024)
+    text = ft_bench.build_report(args, results, "cmd --only step", 1.0, "machine.")
+    assert "torch elastic" not in text
+    assert "| fault tolerance (torchft, 2 groups) | 30.0 | 1.50 |" in text
+    assert "| 8-16-1 MLP | quorum | 6.0 | - |" in text
+    assert "| 8-16-1 MLP | finish_backward | 9.0 | 11.0 |" in text
+    assert "| 1024-wide MLP | should_commit | 4.5 | - |" in text

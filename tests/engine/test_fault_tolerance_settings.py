@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lightning_zero import FaultTolerance
-from lightning_zero.engine.fault_tolerance import FT_EXTRA, import_torchft
+from lightning_zero.engine.fault_tolerance import FT_EXTRA, ReplicaGroups, import_torchft
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -93,3 +94,91 @@ def test_the_engine_refuses_what_fault_tolerance_cannot_average(case: str, messa
 
     [result, _] = run_distributed(_engine_refusal, 2, case, start_method="forkserver")
     assert message in result
+
+
+class FakeWork:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def wait(self, timeout: object = None) -> bool:
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+
+class FakeProcessGroup:
+    """torchft's process group as the cross-group hop sees it: sums by 2 (two groups alike) unless told to fail."""
+
+    def __init__(self) -> None:
+        self.sums: list[int] = []
+        self.fail = False
+
+    def allreduce(self, tensors: list[torch.Tensor], options: object) -> FakeWork:
+        self.sums.append(tensors[0].numel())
+        tensors[0].mul_(2)
+        return FakeWork(self.fail)
+
+
+class FakeManager:
+    """torchft's Manager at a given step of a 2-group quorum, this group participating."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.errors = step, []
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return 2
+
+    def is_participating(self) -> bool:
+        return True
+
+    def errored(self) -> object:
+        return self.errors[-1] if self.errors else None
+
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
+
+    def start_quorum(self) -> None:
+        pass
+
+    def wait_quorum(self) -> None:
+        pass
+
+
+def replica_groups_at(step: int) -> tuple[ReplicaGroups, FakeProcessGroup, FakeManager]:
+    """A ReplicaGroups of 2 ranks per group over the fakes above (its torchft parts replaced, nothing started)."""
+    groups = object.__new__(ReplicaGroups)
+    groups.config, groups.group_size = FaultTolerance(0, timeout_s=1), 2
+    groups.manager, groups._pg = FakeManager(step), FakeProcessGroup()
+    groups._device, groups._buckets = torch.device("cpu"), ()
+    groups._started_at, groups._reducing, groups._factor, groups._contributors_work = None, False, None, None
+    return groups, groups._pg, groups.manager
+
+
+@pytest.mark.parametrize(("step", "contributors_sums"), [(0, 1), (7, 0)])
+def test_the_contributors_are_counted_only_at_the_quorums_first_step_and_once_a_step(
+        step: int, contributors_sums: int) -> None:
+    """[Note: contributors]: only the weight sync of step 0 can count a healing group among the participants."""
+    groups, pg, _ = replica_groups_at(step)
+    groups.before_reduction()
+    groups.before_reduction()  # the backward's end calls it again: nothing more is launched
+    assert pg.sums == [1] * contributors_sums
+    row = torch.ones(3)
+    assert groups.all_reduce(row).wait()
+    # Two groups contributed, two participate: the sum is the sum, rescaled by 1 (or not at all).
+    assert torch.equal(row, torch.full((3,), 2.0))
+    assert pg.sums == [1] * contributors_sums + [3]
+
+
+def test_a_failed_cross_group_sum_is_reported_and_nothing_follows_in_that_step() -> None:
+    groups, pg, manager = replica_groups_at(7)
+    groups.before_reduction()
+    pg.fail = True
+    assert groups.all_reduce(torch.ones(3)).wait()  # swallowed: the commit discards the step
+    assert len(manager.errors) == 1 and "Connection closed" in str(manager.errors[0])
+    pg.fail = False
+    untouched = torch.ones(3)
+    groups.all_reduce(untouched).wait()  # the step has failed: no collective, as torchft's Manager.allreduce
+    assert pg.sums == [3] and torch.equal(untouched, torch.ones(3))

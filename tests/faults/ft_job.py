@@ -8,6 +8,15 @@ every group, so equal digests mean bit-identical state).
 first rank SIGKILLs the group's agent, its workers and itself right after launching its first bucket's hop).
 ``FT_CKPT_DIR``: a sharded checkpoint every 5 steps (and ``last``) there, which one group writes.
 
+``FT_HEAL_SLEEP=S``: a heal this group receives sleeps S seconds before it loads the state (after writing
+``FT_OUT/healing_g<group>_r<rank>``: the time); ``FT_SERVE_SLEEP=S``: a heal this group serves sleeps S seconds
+before it hands its state to torchft (after writing ``FT_OUT/serving_g<group>_r<rank>``). A heal takes ~0.1 s;
+these give a test the time to kill a group in the middle of one.
+
+``FT_PHASES=1``: each rank also writes ``FT_OUT/phases_g<group>_r<rank>.json``, the mean seconds per step (past
+``FT_PHASES_WARMUP`` steps, 10 by default) of the step and of the cross-group phases inside it (bench/fault_tolerance.py's
+breakdown).
+
 ``FT_HYBRID=1`` runs the same model and data as one job without fault tolerance, hybrid-sharded over
 groups of K ranks (``FT_GROUPS`` x K processes, ``shard_group_size=K``): the reference a fault-tolerant
 run with no failure must match. ``FT_STEP_SLEEP`` slows each step so a test can kill a group mid-run."""
@@ -168,6 +177,94 @@ def die_inside_the_cross_group_all_reduce(at_step: int, groups: int, trainer_of:
     ReplicaGroups.all_reduce = all_reduce
 
 
+def slow_heals(out: Path, group: int, rank: int) -> None:
+    """``FT_HEAL_SLEEP`` / ``FT_SERVE_SLEEP`` (module docstring): patch ReplicaGroups.register_state so that the
+    engine's state is loaded (healer) or handed out (source) only after a marker file and a sleep."""
+    from lightning_zero.engine.fault_tolerance import ReplicaGroups
+
+    heal_sleep = float(os.environ.get("FT_HEAL_SLEEP", "0"))
+    serve_sleep = float(os.environ.get("FT_SERVE_SLEEP", "0"))
+    original = ReplicaGroups.register_state
+
+    def register_state(self, key, save, load):  # noqa: ANN001, ANN202
+        if key != "engine":
+            return original(self, key, save, load)
+
+        def slow_save():  # noqa: ANN202
+            if serve_sleep:
+                (out / f"serving_g{group}_r{rank}").write_text(str(time.time()))
+                time.sleep(serve_sleep)
+            return save()
+
+        def slow_load(state):  # noqa: ANN001, ANN202
+            if heal_sleep:
+                (out / f"healing_g{group}_r{rank}").write_text(str(time.time()))
+                time.sleep(heal_sleep)
+            load(state)
+
+        return original(self, key, slow_save, slow_load)
+
+    ReplicaGroups.register_state = register_state
+
+
+class Phases(L.Callback):
+    """Where a step's time goes: wall-clock seconds in each timed phase, summed over the steps past ``warmup`` (a
+    step runs from one ``on_train_batch_start`` to the next, so the loop's own work between steps counts)."""
+
+    def __init__(self, path: Path, warmup: int) -> None:
+        self.path, self.warmup = path, warmup
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        self.counting = False
+        self.step_started: float | None = None
+
+    def timed(self, owner: type, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.counting:
+                    self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, wrapper)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Model, batch, batch_idx) -> None:  # noqa: ANN001
+        now = time.perf_counter()
+        if self.counting and self.step_started is not None:
+            self.totals["step"] = self.totals.get("step", 0.0) + now - self.step_started
+            self.steps += 1
+        self.counting = trainer.global_step >= self.warmup
+        self.step_started = now
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Model) -> None:
+        steps = max(self.steps, 1)
+        self.path.write_text(json.dumps({"steps": self.steps, **{k: v / steps for k, v in self.totals.items()}}))
+
+
+def time_phases(phases: Phases, hybrid: bool) -> None:
+    """Time the engine's backward and optimizer step, and with fault tolerance the cross-group phases:
+    ``quorum`` (the first reduction waiting for the quorum and launching what it launches), ``hop_wait`` (waiting
+    for the buckets' cross-group sums), ``commit`` (the decision: should_commit's round trip inside it)."""
+    from lightning_zero.engine.grad_reducer import GradReducer
+    from lightning_zero.engine.optimizer import ZeroOptimizer
+
+    phases.timed(GradReducer, "finish_backward", "finish_backward")
+    phases.timed(ZeroOptimizer, "step", "optimizer_step")
+    if hybrid:
+        return
+    from torchft.manager import Manager
+
+    from lightning_zero import fault_tolerance
+
+    phases.timed(fault_tolerance.ReplicaGroups, "before_reduction", "quorum")
+    phases.timed(fault_tolerance._CrossGroupSum, "wait", "hop_wait")
+    phases.timed(fault_tolerance.ReplicaGroups, "commit", "commit")
+    phases.timed(Manager, "should_commit", "should_commit")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(os.environ["FT_OUT"])
@@ -177,6 +274,8 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     groups = int(os.environ.get("FT_GROUPS", "2"))
+    if os.environ.get("FT_HEAL_SLEEP") or os.environ.get("FT_SERVE_SLEEP"):
+        slow_heals(out, group, rank)
     if os.environ.get("FT_FABRIC") == "1":
         fabric_main(out, group, world, rank, groups)
         return
@@ -203,6 +302,11 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=os.environ["FT_CKPT_DIR"], every_n_train_steps=5, save_last=True,
                                          save_top_k=1, monitor="step", mode="max"))
         plugins.append(ZeroCheckpointIO(mode="sharded"))
+    if os.environ.get("FT_PHASES") == "1":
+        phases = Phases(out / f"phases_g{group if not hybrid else rank // k}_r{rank % k}.json",
+                        int(os.environ.get("FT_PHASES_WARMUP", "10")))
+        time_phases(phases, hybrid)
+        callbacks.append(phases)
     trainer = L.Trainer(accelerator="cpu", devices=world, plugins=plugins,
                         strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=bool(plugins),
                         enable_progress_bar=False, enable_model_summary=False,

@@ -172,6 +172,71 @@ def test_a_frozen_group_is_dropped_and_rejoins_by_healing(tmp_path: Path) -> Non
     assert assert_every_sample_once(ft, 3) > 0
 
 
+def marked_after(ft: FTCluster, name: str, since: float) -> bool:
+    """Whether ft_job.py's marker ``name`` (healing_g2_r0, serving_g1_r1, ...) was written after ``since``."""
+    path = ft.root / name
+    return path.exists() and float(path.read_text() or 0) > since
+
+
+def test_a_group_killed_again_during_its_heal_heals_when_relaunched_once_more(tmp_path: Path) -> None:
+    """Group 2 killed, relaunched with a heal slowed to 6 s (FT_HEAL_SLEEP), and killed again in the middle of its
+    heal (the state received, not yet loaded): groups 0 and 1 go on without it, bit-identical to each other.
+    Relaunched once more, it heals and is bit-identical to group 0 at every step they share."""
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
+        ft.start()
+        ft.wait_for(lambda: all(committing(ft, g, 3, 0, 2) for g in range(3)), 240, "three groups committing")
+        first_kill = ft.kill(2)
+        ft.wait_for(lambda: committing(ft, 0, 2, first_kill, 2), 60, "two groups committing")
+        relaunched_at = time.time()
+        ft.launch(2, extra_env={"FT_HEAL_SLEEP": "6"})
+        ft.wait_for(lambda: marked_after(ft, "healing_g2_r0", relaunched_at), 240, "group 2 in its heal")
+        killed_in_heal = ft.kill(2)
+        ft.wait_for(lambda: committing(ft, 0, 2, killed_in_heal, 3), 60, "two groups committing after the kill")
+        assert not any(r["t"] > relaunched_at and r["committed"] for r in ft.reports(2)), "the heal was not cut"
+        back_at = time.time()
+        ft.launch(2)
+        ft.wait_for(lambda: committing(ft, 2, 3, back_at, 5), 240, "group 2 healed and among three")
+        for group in (0, 1):
+            assert ft.procs[group].poll() is None, ft.log_tail(group)
+    for rank in range(2):
+        assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 10
+        back = [r for r in ft.reports(2, rank) if r["t"] > back_at]
+        assert back[0]["heals"] == 1
+        assert assert_identical_where_shared(ft.reports(0, rank), back) >= 5
+    assert all(math.isfinite(r["loss"]) for g in range(3) for r in ft.reports(g))
+    assert assert_every_sample_once(ft, 3) > 0
+
+
+def test_a_source_killed_during_a_heal_leaves_the_healer_to_heal_from_another_group(tmp_path: Path) -> None:
+    """Groups 0 and 1 serve heals slowly (FT_SERVE_SLEEP 2 s). Group 2 killed and relaunched: its two ranks heal
+    from groups 0 and 1 (torchft spreads a group's ranks over the sources); group 1 is killed while it serves. The
+    healer never loads a partial state: its heal from group 1 fails, the step is discarded, and it heals again at a
+    later quorum, from group 0, and is then bit-identical to group 0 at every step they share."""
+    slow = {"FT_SERVE_SLEEP": "2"}
+    with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
+        ft.start_lighthouse()
+        ft.launch(0, extra_env=slow)
+        ft.launch(1, extra_env=slow)
+        ft.launch(2)
+        ft.wait_for(lambda: all(committing(ft, g, 3, 0, 2) for g in range(3)), 240, "three groups committing")
+        first_kill = ft.kill(2)
+        ft.wait_for(lambda: committing(ft, 0, 2, first_kill, 2), 60, "two groups committing")
+        relaunched_at = time.time()
+        ft.launch(2)
+        ft.wait_for(lambda: any(marked_after(ft, f"serving_g1_r{rank}", relaunched_at) for rank in range(2)), 240,
+                    "group 1 serving group 2's heal")
+        source_killed_at = ft.kill(1)
+        ft.wait_for(lambda: committing(ft, 2, 2, source_killed_at, 5) and committing(ft, 0, 2, source_killed_at, 5),
+                    240, "group 2 healed and committing with group 0")
+        assert ft.procs[0].poll() is None, ft.log_tail(0)
+    for rank in range(2):
+        healed = [r for r in ft.reports(2, rank) if r["t"] > relaunched_at]
+        assert healed and all(r["heals"] >= 1 for r in healed)
+        assert assert_identical_where_shared(ft.reports(0, rank), healed) >= 5
+    assert all(math.isfinite(r["loss"]) for g in range(3) for r in ft.reports(g))
+    assert assert_every_sample_once(ft, 3) > 0
+
+
 def test_down_to_one_group_and_back_to_three(tmp_path: Path) -> None:
     """min_replica_groups=1: groups 1 and 2 killed one after the other, group 0 trains alone; both relaunched, they
     heal and the three are bit-identical again."""
