@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from lightning_zero.checkpoint.formats import packed
 from lightning_zero.checkpoint.formats.tree import (
     FlatShard,
     map_leaves,
@@ -84,14 +85,17 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
         raise ValueError("mode='full' saves over every rank to rank 0: call it without process_group/coordinator_rank,"
                          " or use mode='sharded' for a group of ranks.")
     loc = storage.resolve(checkpoint_id, storage_options)
+    # A local rank file of many small CPU tensors: its layout, built here once ([Note: pack plans] in packed.py).
+    layout = checkpointer().stager.plan(state_dict) if mode == "local" and tier is None else None
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
-    snapshot = map_leaves(state_dict, lambda leaf: leaf)
+    snapshot = layout.skeleton if layout is not None else map_leaves(state_dict, lambda leaf: leaf)
     fields = dict(marker_fields or {})
-    ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
+    # The copy is ordered after the kernels that produced the state (a plan holds CPU tensors only).
+    ready = ready_event(snapshot) if layout is None else None
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, mode, step=step if isinstance(step, int) else None)
     job = _SaveJob(snapshot, loc, mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called, tier=tier,
-                   plain=plain)
+                   plain=plain, layout=layout)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -199,6 +203,7 @@ class _SaveJob:
     planned_bytes: int | None = None  # sharded: what DCP's plan gave this rank to write
     tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
+    layout: packed.PackPlan | None = None  # local only: staging fills it ([Note: pack plans] in packed.py)
 
     def run(self, staged: threading.Event) -> None:
         try:
@@ -264,6 +269,9 @@ class _SaveJob:
     def stage(self, staged: threading.Event) -> None:
         """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""
         try:
+            if self.layout is not None:
+                self.state, self.layout = checkpointer().stager.stage(self.layout), None  # it held the live tensors
+                return
             state = self.state
             if self.mode == "full" and self.team.rank != 0:
                 # Only rank 0 writes a full file: the others stage their shards (for the gathers) only.
@@ -332,7 +340,9 @@ class _SaveJob:
                 # `save_last="link"` on S3) names the same data.
                 data = self.version_dir[len(loc.parent) + 1:] if loc.parent else self.version_dir
                 fields = {"mode": self.mode, "world_size": team.world_size, "data": data, "save_id": self.save_id}
-                shard_group_size = shard_group_size_of(self.state, team.world_size)
+                shard_group_size = (self.state.plan.shard_group_size or team.world_size
+                                    if isinstance(self.state, packed.FilledPlan)
+                                    else shard_group_size_of(self.state, team.world_size))
                 if shard_group_size != team.world_size:
                     fields["shard_group_size"] = shard_group_size
                 storage.write_marker(loc, fields, self.marker_fields)
@@ -352,6 +362,8 @@ class _SaveJob:
 
 def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
     """Tensor bytes this rank wrote (see ``SaveStats.bytes_written``)."""
+    if isinstance(state, packed.FilledPlan):
+        return state.plan.nbytes
     total = 0
     for _, leaf in tensor_leaves(state):
         if isinstance(leaf, FlatShard):

@@ -80,3 +80,54 @@ def test_a_local_checkpoint_round_trips_packed_and_a_damaged_byte_names_the_tens
                                                      r"\.weight/exp_avg") as error:
         load(into, str(tmp_path / "c.ckpt"))
     assert "layer0.weight" not in str(error.value)
+
+
+def test_a_pack_plan_writes_the_file_a_staged_tree_packs_into_with_copies_of_the_live_tensors() -> None:
+    tree = many_leaves()
+    layout = Stager().plan(tree)
+    assert layout is not None
+    assert all(value is None for value in layout.skeleton["model"].values())  # tensors live in the buffers only
+    filled = packed.fill(layout)
+    staged = packed.pack(Stager().stage(tree))
+    assert filled.content[packed.PACKED_KEY]["index"] == staged[packed.PACKED_KEY]["index"]
+    for ours, theirs in zip(filled.content[packed.PACKED_KEY]["buffers"], staged[packed.PACKED_KEY]["buffers"]):
+        assert torch.equal(ours, theirs)
+    expected = dict(_leaves(staged))
+    assert {key for key, _ in filled.checked} == expected.keys()  # the header checks what a walk would find
+    copy = packed.unpack(dict(filled.content))
+    tree["model"]["layer0.weight"].local.add_(1.0)  # the update after staging: the file keeps the staged values
+    tree["half"].add_(1.0)  # the only bf16 tensor: a buffer of one tensor is a copy too, not a view of it
+    same(copy, many_leaves())
+
+
+def _leaves(content: dict) -> list:
+    from lightning_zero.checkpoint.formats import integrity
+    return list(integrity._checked_leaves(content))
+
+
+def test_a_pack_plan_reuses_the_previous_index_until_the_layout_changes() -> None:
+    stager, tree = Stager(), many_leaves()
+    first = stager.plan(tree)
+    second = stager.plan(many_leaves())
+    assert first is not None and second is not None and second.index is first.index
+    tree["optimizer"][0]["state"]["layer3.weight"]["exp_avg"] = torch.randn(64 * 63)
+    third = stager.plan(tree)
+    assert third is not None and third.index != first.index
+    assert packed.unpack(dict(packed.fill(third).content))["optimizer"][0]["state"]["layer3.weight"]["exp_avg"] \
+        .shape == (64 * 63,)
+
+
+def test_trees_a_plan_does_not_take_are_staged_as_before() -> None:
+    stager = Stager()
+    assert stager.plan({"few": torch.zeros(3)}) is None  # a few tensors: cloned one by one
+    assert stager.plan({"big": [torch.zeros(2**19) for _ in range(70)]}) is None  # large on average
+    assert stager.plan({**many_leaves(), "held": (torch.zeros(2),)}) is None  # a tensor in a tuple
+    assert stager.plan({**many_leaves(), 1.5: "a key JSON cannot name"}) is None
+
+
+def test_a_pack_plan_knows_the_shard_group_size_and_the_bytes_it_writes() -> None:
+    tree = {f"w{i}": FlatShard(torch.zeros(8), (32,), 1, 4, replicas=2, replica_rank=1) for i in range(70)}
+    layout = Stager().plan(tree)
+    assert layout is not None and layout.shard_group_size == 4 and layout.nbytes == 70 * 8 * 4
+    plain = Stager().plan({f"t{i}": torch.zeros(8) for i in range(70)})
+    assert plain is not None and plain.shard_group_size is None
