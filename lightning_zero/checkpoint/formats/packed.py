@@ -136,6 +136,9 @@ def locate(content: Any) -> Any:
     return names
 
 
+_JSON_KEYS = frozenset((str, int))  # the key types the index names (a subclass of them: the tree is staged as before)
+
+
 @dataclass
 class PackPlan:
     """(built on the training thread, filled on the background thread) A ``local`` rank file's layout, see
@@ -202,7 +205,7 @@ def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
             place(node, path, None)
             return None
         if isinstance(node, dict):
-            if not all(isinstance(key, (str, int)) for key in node):
+            if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
                 raise _NotPackable
             return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
         if isinstance(node, list):
