@@ -340,7 +340,7 @@ class _SaveJob:
                 # `save_last="link"` on S3) names the same data.
                 data = self.version_dir[len(loc.parent) + 1:] if loc.parent else self.version_dir
                 fields = {"mode": self.mode, "world_size": team.world_size, "data": data, "save_id": self.save_id}
-                shard_group_size = (self.state.plan.shard_group_size or team.world_size
+                shard_group_size = (self.state.shard_group_size or team.world_size
                                     if isinstance(self.state, packed.FilledPlan)
                                     else shard_group_size_of(self.state, team.world_size))
                 if shard_group_size != team.world_size:
@@ -363,7 +363,7 @@ class _SaveJob:
 def _bytes_written(state: Any, mode: Mode, rank: int) -> int:
     """Tensor bytes this rank wrote (see ``SaveStats.bytes_written``)."""
     if isinstance(state, packed.FilledPlan):
-        return state.plan.nbytes
+        return state.nbytes
     total = 0
     for _, leaf in tensor_leaves(state):
         if isinstance(leaf, FlatShard):

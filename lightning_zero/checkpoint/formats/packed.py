@@ -158,7 +158,8 @@ class FilledPlan:
 
     content: dict[str, Any]  # the skeleton with the buffers and index under :data:`PACKED_KEY`
     checked: list[tuple[str, Tensor | bytes]]  # every leaf the integrity header checks
-    plan: PackPlan
+    shard_group_size: int | None  # as :class:`PackPlan`'s (not the plan itself: it holds the live tensors)
+    nbytes: int
 
 
 def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
@@ -237,4 +238,4 @@ def fill(layout: PackPlan) -> FilledPlan:
     content[PACKED_KEY] = {"buffers": buffers, "index": layout.index}
     checked: list[tuple[str, Tensor | bytes]] = [*layout.checked, (f"{PACKED_KEY}/index", layout.index)]
     checked += [(f"{PACKED_KEY}/buffers/{i}", buffer) for i, buffer in enumerate(buffers)]
-    return FilledPlan(content, checked, layout)
+    return FilledPlan(content, checked, layout.shard_group_size, layout.nbytes)

@@ -131,3 +131,16 @@ def test_a_pack_plan_knows_the_shard_group_size_and_the_bytes_it_writes() -> Non
     assert layout is not None and layout.shard_group_size == 4 and layout.nbytes == 70 * 8 * 4
     plain = Stager().plan({f"t{i}": torch.zeros(8) for i in range(70)})
     assert plain is not None and plain.shard_group_size is None
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_planned_save_marks_the_shard_group_size_and_counts_its_bytes(tmp_path: Path) -> None:
+    from lightning_zero.checkpoint import last_save_stats
+    from lightning_zero.checkpoint.store import storage
+
+    # Shards of a group of 2 saved by a world of 1: the marker must say so (a local load checks it).
+    tree = {f"w{i}": FlatShard(torch.full((8,), float(i)), (16,), 0, 2) for i in range(70)}
+    save(tree, str(tmp_path / "c.ckpt"), mode="local")
+    assert storage.read_marker(storage.resolve(str(tmp_path / "c.ckpt")))["shard_group_size"] == 2
+    stats = last_save_stats()
+    assert stats is not None and stats.bytes_written == 70 * 8 * 4
