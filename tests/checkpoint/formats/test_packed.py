@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import CheckpointCorruptError, load, save
-from lightning_zero.checkpoint.formats import packed
+from lightning_zero.checkpoint import CheckpointCorruptError, last_save_stats, load, save
+from lightning_zero.checkpoint.formats import integrity, packed
 from lightning_zero.checkpoint.formats.tree import FlatShard, walk
 from lightning_zero.checkpoint.runtime.staging import Stager
+from lightning_zero.checkpoint.store import storage
 
 
 def many_leaves() -> dict:
@@ -92,17 +93,12 @@ def test_a_pack_plan_writes_the_file_a_staged_tree_packs_into_with_copies_of_the
     assert filled.content[packed.PACKED_KEY]["index"] == staged[packed.PACKED_KEY]["index"]
     for ours, theirs in zip(filled.content[packed.PACKED_KEY]["buffers"], staged[packed.PACKED_KEY]["buffers"]):
         assert torch.equal(ours, theirs)
-    expected = dict(_leaves(staged))
+    expected = dict(integrity._checked_leaves(staged))
     assert {key for key, _ in filled.checked} == expected.keys()  # the header checks what a walk would find
     copy = packed.unpack(dict(filled.content))
     tree["model"]["layer0.weight"].local.add_(1.0)  # the update after staging: the file keeps the staged values
     tree["half"].add_(1.0)  # the only bf16 tensor: a buffer of one tensor is a copy too, not a view of it
     same(copy, many_leaves())
-
-
-def _leaves(content: dict) -> list:
-    from lightning_zero.checkpoint.formats import integrity
-    return list(integrity._checked_leaves(content))
 
 
 def test_a_pack_plan_reuses_the_previous_index_until_the_layout_changes() -> None:
@@ -135,9 +131,6 @@ def test_a_pack_plan_knows_the_shard_group_size_and_the_bytes_it_writes() -> Non
 
 @pytest.mark.usefixtures("one_rank")
 def test_a_planned_save_marks_the_shard_group_size_and_counts_its_bytes(tmp_path: Path) -> None:
-    from lightning_zero.checkpoint import last_save_stats
-    from lightning_zero.checkpoint.store import storage
-
     # Shards of a group of 2 saved by a world of 1: the marker must say so (a local load checks it).
     tree = {f"w{i}": FlatShard(torch.full((8,), float(i)), (16,), 0, 2) for i in range(70)}
     save(tree, str(tmp_path / "c.ckpt"), mode="local")
