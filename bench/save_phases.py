@@ -4,8 +4,10 @@ Wall time moves with the machine's load; ``time.thread_time`` (this thread's CPU
 does not, so the phases of two commits compare on a busy machine. One rank (gloo), ZeRO-2 over
 ``--depth`` x Linear(``--width``, ``--width``) with AdamW after one step: 400 x 64 gives 800 parameters, 3,200
 tensors with the masters, moments and steps (the `deep` model of ``trainer_checkpoint.py --one-rank``).
-Background phases: staging copy, pack, integrity header, ``torch.save`` + write + fsync, and ``write_local`` as
-the save job calls it; training-thread phases: ``zero_state_dict`` and ``adopt_module_writes``.
+Background phases of a staged tree (the path of trees that are not many small CPU tensors, and of every local
+save before [Note: pack plans]): staging copy, pack, integrity header, ``torch.save`` + write + fsync, and
+``write_local``; of a pack plan (a local save of many small CPU tensors now): the plan (training thread), the
+copy, the header and ``write_local``; training-thread phases: ``zero_state_dict`` and ``adopt_module_writes``.
 
     .venv/bin/python bench/save_phases.py [--width 64] [--depth 400] [--repeats 5]
 """
@@ -71,7 +73,20 @@ def main() -> None:
     rows.append(("torch.save + write + fsync", cpu_ms(lambda: file_io.torch_save_to(loc, f"{root}/f.pt", written), n)[0]))
     rows.append(("write_local (pack + header + save)",
                  cpu_ms(lambda: local.write_local(staged, loc, f"{root}/v", 0, 1, "x"), n)[0]))
-    rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model), n)[0]))
+    # The path a local save takes now ([Note: pack plans]): the layout on the training thread, the copy, header
+    # and write on the background one; the second plan reuses the first's index.
+    stager = Stager()
+    stager.plan(tree)
+    ms, layout = cpu_ms(lambda: stager.plan(tree), n)
+    rows.append(("[training thread] plan (layout walk; index reused)", ms))
+    ms, filled = cpu_ms(lambda: packed.fill(layout), n)
+    rows.append(("plan: fill (copy)", ms))
+    rows.append(("plan: integrity header", cpu_ms(lambda: integrity.header(
+        filled.content, "x", 0, 1, chunked=(packed.PACKED_KEY,), leaves=filled.checked), n)[0]))
+    rows.append(("plan: write_local (header + save)",
+                 cpu_ms(lambda: local.write_local(filled, loc, f"{root}/w", 0, 1, "x"), n)[0]))
+    meta = zero_state_dict(engine, model)["meta"]  # computed once at setup by the strategy, passed to every save
+    rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model, meta=meta), n)[0]))
     rows.append(("[training thread] adopt_module_writes", cpu_ms(engine.adopt_module_writes, n)[0]))
     tensors = sum(1 for _ in integrity._checked_leaves(local.encode_shards(tree)))
     print(f"{args.depth} x Linear({args.width}, {args.width}), {tensors} tensors; CPU ms, best of {n}")

@@ -24,9 +24,14 @@ from lightning_zero.engine.optimizer import ZeroOptimizer
 from lightning_zero.engine.whole_step import is_split_state
 
 
+def _shard_fields(sp: ShardedParam, world_size: int) -> tuple[tuple[int, ...], int, int, int, int]:
+    """A :class:`FlatShard`'s fields after ``local`` for ``sp``'s tensors. ``world_size``: the shard group's size;
+    the replicas come from the parameter's bucket."""
+    return tuple(sp.param.shape), sp.rank, world_size, sp.bucket.replicas, sp.bucket.replica_rank
+
+
 def _flat(sp: ShardedParam, local: Tensor, world_size: int) -> FlatShard:
-    """``world_size``: the shard group's size; the replicas come from the parameter's bucket."""
-    return FlatShard(local, tuple(sp.param.shape), sp.rank, world_size, sp.bucket.replicas, sp.bucket.replica_rank)
+    return FlatShard(local, *_shard_fields(sp, world_size))
 
 
 def _is_sharded_state(key: str, value: Any, sp: ShardedParam) -> bool:
@@ -78,7 +83,11 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         for sp in opt.sharded_params:
             entry = opt.state.get(sp.master)
             if entry:
-                state[sp.fqn] = {k: _flat(sp, v, ws) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
+                # The shard's fields read once per parameter, not per state tensor: a save of a deep model
+                # builds thousands of these on the training thread.
+                fields = _shard_fields(sp, ws)
+                state[sp.fqn] = {k: FlatShard(v, *fields) if _is_sharded_state(k, v, sp) else v
+                                 for k, v in entry.items()}
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_zero.checkpoint.formats import packed
 from lightning_zero.checkpoint.formats.tree import map_leaves, shard_group_size_of
 from lightning_zero.checkpoint.modes import MODES, CheckpointMode, Mode, SaveTarget, mode_named
 from lightning_zero.checkpoint.runtime import process
@@ -74,14 +75,17 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     team = make_team(process_group, coordinator_rank)
     checkpoint_mode.check_save(team, plain)
     loc = storage.resolve(checkpoint_id, storage_options)
+    # A local rank file of many small CPU tensors: its layout, built here once ([Note: pack plans] in packed.py).
+    layout = checkpointer().stager.plan(state_dict) if checkpoint_mode.plans_layout and tier is None else None
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
-    snapshot = map_leaves(state_dict, lambda leaf: leaf)
+    snapshot = layout.skeleton if layout is not None else map_leaves(state_dict, lambda leaf: leaf)
     fields = dict(marker_fields or {})
-    ready = ready_event(snapshot)  # the copy is ordered after the kernels that produced the state
+    # The copy is ordered after the kernels that produced the state (a plan holds CPU tensors only).
+    ready = ready_event(snapshot) if layout is None else None
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
     job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called,
-                   tier=tier, plain=plain)
+                   tier=tier, plain=plain, layout=layout)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -188,6 +192,7 @@ class _SaveJob:
     planned_bytes: int | None = None  # what the mode's write plan gave this rank (sharded: DCP's)
     tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
+    layout: packed.PackPlan | None = None  # local only: staging fills it ([Note: pack plans] in packed.py)
 
     def run(self, staged: threading.Event) -> None:
         try:
@@ -253,6 +258,9 @@ class _SaveJob:
     def stage(self, staged: threading.Event) -> None:
         """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""
         try:
+            if self.layout is not None:
+                self.state, self.layout = checkpointer().stager.stage(self.layout), None  # it held the live tensors
+                return
             state = self.mode.to_stage(self.state, self.team.rank)
             # Flat buffers where a local rank file packs them ([Note: packed rank files]); DCP (sharded) would
             # clone each view back into a storage of its own, and a full file is read by other tools.
@@ -311,7 +319,9 @@ class _SaveJob:
                 # `save_last="link"` on S3) names the same data.
                 data = self.version_dir[len(loc.parent) + 1:] if loc.parent else self.version_dir
                 fields = {"mode": self.mode.name, "world_size": team.world_size, "data": data, "save_id": self.save_id}
-                shard_group_size = shard_group_size_of(self.state, team.world_size)
+                shard_group_size = (self.state.shard_group_size or team.world_size
+                                    if isinstance(self.state, packed.FilledPlan)
+                                    else shard_group_size_of(self.state, team.world_size))
                 if shard_group_size != team.world_size:
                     fields["shard_group_size"] = shard_group_size
                 storage.write_marker(loc, fields, self.marker_fields)

@@ -32,7 +32,7 @@ another save is refused, naming the file.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,11 +131,13 @@ def _checked_leaves(tree: Any) -> Iterator[tuple[str, Tensor | bytes]]:
             yield "/".join(path), leaf
 
 
-def describe(tree: Any, chunked: tuple[str, ...] = ()) -> dict[str, tuple[int | list[int], list[int], str]]:
-    """``{path: (crc32, shape, dtype)}`` for every tensor and bytes leaf of ``tree``; tensors under a path
-    starting with one of ``chunked`` (packed buffers) with the CRC32 of each chunk (:func:`checksum_of`)."""
+def describe(tree: Any, chunked: tuple[str, ...] = (),
+             leaves: Iterable[tuple[str, Tensor | bytes]] | None = None) -> dict[str, tuple[int | list[int], list[int], str]]:
+    """``{path: (crc32, shape, dtype)}`` for every tensor and bytes leaf of ``tree`` (or of ``leaves``, the same
+    listed by the caller: [Note: pack plans] in packed.py); tensors under a path starting with one of ``chunked``
+    (packed buffers) with the CRC32 of each chunk (:func:`checksum_of`)."""
     out: dict[str, tuple[int | list[int], list[int], str]] = {}
-    for key, leaf in _checked_leaves(tree):
+    for key, leaf in (_checked_leaves(tree) if leaves is None else leaves):
         if isinstance(leaf, Tensor):
             crc = checksum_of(leaf) if chunked and key.startswith(chunked) else crc32_of(leaf)
             out[key] = (crc, list(leaf.shape), str(leaf.dtype).removeprefix("torch."))
@@ -145,11 +147,12 @@ def describe(tree: Any, chunked: tuple[str, ...] = ()) -> dict[str, tuple[int | 
 
 
 def header(tree: Any, save_id: str, rank: int | None = None, world_size: int | None = None,
-           shapes: dict[str, list[int]] | None = None, chunked: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
+           shapes: dict[str, list[int]] | None = None, chunked: tuple[str, ...] = (),
+           leaves: Iterable[tuple[str, Tensor | bytes]] | None = None, **extra: Any) -> dict[str, Any]:
     """The integrity header for a file holding ``tree`` (computed on the staged copy, off the training thread);
-    ``chunked``: see :func:`describe`."""
+    ``chunked`` and ``leaves``: see :func:`describe`."""
     return {"format": FORMAT, "save_id": save_id, "rank": rank, "world_size": world_size,
-            "tensors": describe(tree, chunked) if _CHECKSUMS else None, "shapes": shapes or {}, **extra}
+            "tensors": describe(tree, chunked, leaves) if _CHECKSUMS else None, "shapes": shapes or {}, **extra}
 
 
 def split(content: Any, file: str, url: str, required: bool) -> tuple[Any, dict[str, Any] | None]:

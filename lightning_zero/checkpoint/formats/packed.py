@@ -12,11 +12,22 @@ buffers and the index, not every leaf, and ``torch.save`` writes a few records. 
 leaves back as views of the loaded buffers. A tree whose tensors are not exactly the few storages they fill
 (not staged so, or a tensor inside a tuple) is written as before; files without :data:`PACKED_KEY` (every
 earlier version) read as they are.
+
+[Note: pack plans] A background thread's Python costs the training thread more than its own CPU time: each torch
+op of the training step releases the GIL and must win it back, and while the save's thread runs Python that
+takes up to the interpreter's switch interval (5 ms) per op (BENCHMARKS.md, "What a save costs the loop"). So
+a ``local`` save of a many-tensor tree walks the tree once, on the training thread, when it is queued
+(:func:`plan`): the skeleton the file will hold, the tensors grouped by dtype in buffer order, the JSON index
+(the same bytes as the previous save's when the rows are equal: a save reuses them), the bytes leaves the
+integrity header checks. The background thread then only copies (:func:`fill`: one
+``flatten_dense_tensors`` per dtype, which releases the GIL), checksums the buffers and pickles a skeleton
+with no tensor in it: no per-leaf Python. The file is the one :func:`pack` writes from a staged tree.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,3 +134,108 @@ def locate(content: Any) -> Any:
         return f"tensor {shown}" if len(hit) == 1 else f"tensors {shown}"
 
     return names
+
+
+_JSON_KEYS = frozenset((str, int))  # the key types the index names (a subclass of them: the tree is staged as before)
+
+
+@dataclass
+class PackPlan:
+    """(built on the training thread, filled on the background thread) A ``local`` rank file's layout, see
+    [Note: pack plans]."""
+
+    skeleton: dict[str, Any]  # the tree with ``None`` for each tensor and FlatShard leaf: new containers
+    sources: list[list[Tensor]]  # per buffer, the live tensors in buffer order (each tensor object once)
+    index: bytes  # the JSON index (see [Note: packed rank files])
+    checked: list[tuple[str, bytes]]  # the skeleton's bytes leaves, by path, for the integrity header
+    shard_group_size: int | None  # the world size the flat shards were split over (None: no flat shard)
+    nbytes: int  # tensor bytes of the file (each tensor object once)
+
+
+@dataclass
+class FilledPlan:
+    """A plan with its tensors copied: what the ``local`` writer writes (:func:`fill`)."""
+
+    content: dict[str, Any]  # the skeleton with the buffers and index under :data:`PACKED_KEY`
+    checked: list[tuple[str, Tensor | bytes]]  # every leaf the integrity header checks
+    shard_group_size: int | None  # as :class:`PackPlan`'s (not the plan itself: it holds the live tensors)
+    nbytes: int
+
+
+def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
+         previous: tuple[list[Any], bytes] | None = None) -> tuple[PackPlan, tuple[list[Any], bytes]] | None:
+    """(training thread) The layout of ``tree``'s packed file, and ``(rows, index)`` to pass as ``previous``
+    to the next call; None where :func:`pack` would not pack (a CUDA, sparse or tuple-held tensor, a key JSON
+    cannot name) or the tree is not many small tensors (fewer than ``min_tensors``, or of more than
+    ``max_mean_bytes`` on average: see ``staging.FLAT_MIN_TENSORS``)."""
+    slots: dict[int, tuple[int, int]] = {}  # id(tensor) -> (buffer, offset)
+    buffer_of: dict[torch.dtype, int] = {}
+    sources: list[list[Tensor]] = []
+    sizes: list[int] = []
+    rows: list[list[Any]] = []
+    checked: list[tuple[str, bytes]] = []
+    shard_sizes: list[int] = []  # of the first flat shard, as ``tree.shard_group_size_of`` reads it
+
+    def place(tensor: Tensor, path: list[Any], shard: list[Any] | None) -> None:
+        slot = slots.get(id(tensor))
+        numel = tensor.numel()
+        if slot is None:
+            if tensor.device.type != "cpu" or tensor.is_sparse:
+                raise _NotPackable
+            buffer = buffer_of.get(tensor.dtype)
+            if buffer is None:
+                buffer = buffer_of[tensor.dtype] = len(sources)
+                sources.append([])
+                sizes.append(0)
+            slot = slots[id(tensor)] = (buffer, sizes[buffer])
+            sources[buffer].append(tensor)
+            sizes[buffer] += numel
+        rows.append([path, slot[0], slot[1], numel, list(tensor.shape), shard])
+
+    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
+        if isinstance(node, FlatShard):
+            if in_tuple:
+                raise _NotPackable
+            if not shard_sizes:
+                shard_sizes.append(node.world_size)
+            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
+            return None
+        if isinstance(node, Tensor):
+            if in_tuple:
+                raise _NotPackable
+            place(node, path, None)
+            return None
+        if isinstance(node, dict):
+            if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
+                raise _NotPackable
+            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
+        if isinstance(node, list):
+            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
+        if isinstance(node, (bytes, bytearray)):
+            checked.append(("/".join(str(key) for key in path), node))
+        return node
+
+    try:
+        skeleton = visit(tree, [], False)
+    except _NotPackable:
+        return None
+    nbytes = sum(size * group[0].element_size() for size, group in zip(sizes, sources))
+    if len(slots) < min_tensors or nbytes > max_mean_bytes * len(slots) or PACKED_KEY in skeleton:
+        return None
+    index = previous[1] if previous is not None and previous[0] == rows else json.dumps(rows).encode()
+    return PackPlan(skeleton, sources, index, checked, shard_sizes[0] if shard_sizes else None, nbytes), (rows, index)
+
+
+def fill(layout: PackPlan) -> FilledPlan:
+    """(background thread) The buffers copied off the live tensors: one call per dtype, which releases the GIL."""
+    with torch.no_grad():  # grad mode is per thread: the copy records no graph even of a tensor that requires grad
+        # A single tensor would come back as a view of itself, not a copy.
+        buffers = [torch._C._nn.flatten_dense_tensors(group) if len(group) > 1 else group[0].reshape(-1).clone()
+                   for group in layout.sources]
+    content = dict(layout.skeleton)
+    content[PACKED_KEY] = {"buffers": buffers, "index": layout.index}
+    checked: list[tuple[str, Tensor | bytes]] = [*layout.checked, (f"{PACKED_KEY}/index", layout.index)]
+    checked += [(f"{PACKED_KEY}/buffers/{i}", buffer) for i, buffer in enumerate(buffers)]
+    return FilledPlan(content, checked, layout.shard_group_size, layout.nbytes)

@@ -87,6 +87,9 @@ class CheckpointMode(ABC):
     (The trees a save builds, the resume, the readers.)"""
     stages_flat: bool = False
     """Staged into one flat buffer per dtype, which the rank file packs ([Note: packed rank files]). (The saver.)"""
+    plans_layout: bool = False
+    """A rank file of many small CPU tensors has its layout planned on the training thread when the save is
+    queued, and staging fills the plan ([Note: pack plans] in formats/packed.py). (The saver.)"""
 
     def __repr__(self) -> str:
         return f"<checkpoint mode {self.name!r}>"

@@ -53,11 +53,16 @@ def rank_file(version_dir: str, rank: int, world_size: int) -> str:
 def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_size: int, save_id: str,
                 tuning: CheckpointTuning = DEFAULT_TUNING, progress: Callable[[int], None] | None = None,
                 recycle: Callable[[str], bool] | None = None) -> None:
-    """This rank's file; ``progress`` and ``recycle``: a local tier's (see file_io.write_file)."""
-    encoded = packed.pack(state)  # [Note: packed rank files]
-    if encoded is state:
-        encoded = encode_shards(state)
-    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size, chunked=(packed.PACKED_KEY,))
+    """This rank's file; ``progress`` and ``recycle``: a local tier's (see file_io.write_file). ``state``: a
+    staged tree, or a filled pack plan ([Note: pack plans] in formats/packed.py)."""
+    if isinstance(state, packed.FilledPlan):
+        encoded, leaves = dict(state.content), state.checked
+    else:
+        encoded, leaves = packed.pack(state), None  # [Note: packed rank files]
+        if encoded is state:
+            encoded = encode_shards(state)
+    encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size, chunked=(packed.PACKED_KEY,),
+                                                     leaves=leaves)
     file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress,
                           recycle=recycle)
 
@@ -193,6 +198,7 @@ class LocalMode(CheckpointMode):
 
     name = "local"
     stages_flat = True
+    plans_layout = True
 
     def write(self, state: Any, target: SaveTarget) -> int | None:
         team = target.team
@@ -200,6 +206,8 @@ class LocalMode(CheckpointMode):
         return None
 
     def bytes_written(self, state: Any, rank: int) -> int:
+        if isinstance(state, packed.FilledPlan):
+            return state.nbytes
         return tensor_bytes(state, whole_shards=False, replicated=True)  # every rank writes its replicated copy
 
     def saved_tensor_keys(self, opened: OpenedCheckpoint) -> set[str]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.formats import packed
 from lightning_zero.checkpoint.formats.tree import FlatShard, map_with_path, walk
 
 
@@ -54,11 +55,24 @@ class Stager:
     def __init__(self) -> None:
         self._host: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._index: tuple[list[Any], bytes] | None = None  # the previous plan's rows and JSON index
+
+    def plan(self, tree: dict[str, Any]) -> packed.PackPlan | None:
+        """(training thread) The layout of a ``local`` rank file of ``tree`` when it is many small CPU tensors,
+        reusing the previous save's index when the rows are the same ([Note: pack plans]); None otherwise (the
+        tree is staged by :meth:`stage`)."""
+        planned = packed.plan(tree, FLAT_MIN_TENSORS, FLAT_MAX_MEAN_BYTES, self._index)
+        if planned is None:
+            return None
+        layout, self._index = planned
+        return layout
 
     def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None, flat: bool = True) -> Any:
         """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are.
         ``flat=False``: each CPU tensor a storage of its own (a file other tools read, where a tensor that is
-        a view of a larger storage would carry all of it)."""
+        a view of a larger storage would carry all of it). A :meth:`plan` is filled instead (``packed.fill``)."""
+        if isinstance(tree, packed.PackPlan):
+            return packed.fill(tree)
         if ready is None:
             return _stage_on_host(tree) if flat else _clone_each(tree)
         event, device = ready

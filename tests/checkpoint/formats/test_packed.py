@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import CheckpointCorruptError, load, save
-from lightning_zero.checkpoint.formats import packed
+from lightning_zero.checkpoint import CheckpointCorruptError, last_save_stats, load, save
+from lightning_zero.checkpoint.formats import integrity, packed
 from lightning_zero.checkpoint.formats.tree import FlatShard, walk
 from lightning_zero.checkpoint.runtime.staging import Stager
+from lightning_zero.checkpoint.store import storage
 
 
 def many_leaves() -> dict:
@@ -80,3 +81,59 @@ def test_a_local_checkpoint_round_trips_packed_and_a_damaged_byte_names_the_tens
                                                      r"\.weight/exp_avg") as error:
         load(into, str(tmp_path / "c.ckpt"))
     assert "layer0.weight" not in str(error.value)
+
+
+def test_a_pack_plan_writes_the_file_a_staged_tree_packs_into_with_copies_of_the_live_tensors() -> None:
+    tree = many_leaves()
+    layout = Stager().plan(tree)
+    assert layout is not None
+    assert all(value is None for value in layout.skeleton["model"].values())  # tensors live in the buffers only
+    filled = packed.fill(layout)
+    staged = packed.pack(Stager().stage(tree))
+    assert filled.content[packed.PACKED_KEY]["index"] == staged[packed.PACKED_KEY]["index"]
+    for ours, theirs in zip(filled.content[packed.PACKED_KEY]["buffers"], staged[packed.PACKED_KEY]["buffers"]):
+        assert torch.equal(ours, theirs)
+    expected = dict(integrity._checked_leaves(staged))
+    assert {key for key, _ in filled.checked} == expected.keys()  # the header checks what a walk would find
+    copy = packed.unpack(dict(filled.content))
+    tree["model"]["layer0.weight"].local.add_(1.0)  # the update after staging: the file keeps the staged values
+    tree["half"].add_(1.0)  # the only bf16 tensor: a buffer of one tensor is a copy too, not a view of it
+    same(copy, many_leaves())
+
+
+def test_a_pack_plan_reuses_the_previous_index_until_the_layout_changes() -> None:
+    stager, tree = Stager(), many_leaves()
+    first = stager.plan(tree)
+    second = stager.plan(many_leaves())
+    assert first is not None and second is not None and second.index is first.index
+    tree["optimizer"][0]["state"]["layer3.weight"]["exp_avg"] = torch.randn(64 * 63)
+    third = stager.plan(tree)
+    assert third is not None and third.index != first.index
+    assert packed.unpack(dict(packed.fill(third).content))["optimizer"][0]["state"]["layer3.weight"]["exp_avg"] \
+        .shape == (64 * 63,)
+
+
+def test_trees_a_plan_does_not_take_are_staged_as_before() -> None:
+    stager = Stager()
+    assert stager.plan({"few": torch.zeros(3)}) is None  # a few tensors: cloned one by one
+    assert stager.plan({"big": [torch.zeros(2**19) for _ in range(70)]}) is None  # large on average
+    assert stager.plan({**many_leaves(), "held": (torch.zeros(2),)}) is None  # a tensor in a tuple
+    assert stager.plan({**many_leaves(), 1.5: "a key JSON cannot name"}) is None
+
+
+def test_a_pack_plan_knows_the_shard_group_size_and_the_bytes_it_writes() -> None:
+    tree = {f"w{i}": FlatShard(torch.zeros(8), (32,), 1, 4, replicas=2, replica_rank=1) for i in range(70)}
+    layout = Stager().plan(tree)
+    assert layout is not None and layout.shard_group_size == 4 and layout.nbytes == 70 * 8 * 4
+    plain = Stager().plan({f"t{i}": torch.zeros(8) for i in range(70)})
+    assert plain is not None and plain.shard_group_size is None
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_planned_save_marks_the_shard_group_size_and_counts_its_bytes(tmp_path: Path) -> None:
+    # Shards of a group of 2 saved by a world of 1: the marker must say so (a local load checks it).
+    tree = {f"w{i}": FlatShard(torch.full((8,), float(i)), (16,), 0, 2) for i in range(70)}
+    save(tree, str(tmp_path / "c.ckpt"), mode="local")
+    assert storage.read_marker(storage.resolve(str(tmp_path / "c.ckpt")))["shard_group_size"] == 2
+    stats = last_save_stats()
+    assert stats is not None and stats.bytes_written == 70 * 8 * 4
