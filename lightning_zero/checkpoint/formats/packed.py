@@ -27,6 +27,7 @@ with no tensor in it: no per-leaf Python. The file is the one :func:`pack` write
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,39 @@ PACKED_KEY = "lightning_zero_packed"
 
 class _NotPackable(Exception):
     pass
+
+
+def _skeleton(tree: Any, place: Callable[[Tensor, list[Any], list[Any] | None], None],
+              other: Callable[[Any, list[Any]], None] | None = None) -> Any:
+    """``tree`` with each tensor and :class:`FlatShard` leaf handed to ``place(tensor, path, shard)`` (``shard``:
+    the FlatShard's shape, rank, world_size, replicas, replica_rank) and left out as None, every other leaf to
+    ``other``. Raises ``_NotPackable`` for what the packed index cannot name: a tensor inside a tuple, a dict key
+    that is not exactly a str or an int."""
+
+    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
+        if isinstance(node, FlatShard):
+            if in_tuple:
+                raise _NotPackable
+            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
+            return None
+        if isinstance(node, Tensor):
+            if in_tuple:
+                raise _NotPackable
+            place(node, path, None)
+            return None
+        if isinstance(node, dict):
+            if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
+                raise _NotPackable
+            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
+        if isinstance(node, list):
+            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
+        if other is not None:
+            other(node, path)
+        return node
+
+    return visit(tree, [], False)
 
 
 def pack(tree: dict[str, Any]) -> dict[str, Any]:
@@ -62,29 +96,8 @@ def pack(tree: dict[str, Any]) -> dict[str, Any]:
             raise _NotPackable
         rows.append([path, index, tensor.storage_offset(), tensor.numel(), list(tensor.shape), shard])
 
-    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
-        if isinstance(node, FlatShard):
-            if in_tuple:
-                raise _NotPackable
-            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
-            return None
-        if isinstance(node, Tensor):
-            if in_tuple:
-                raise _NotPackable
-            place(node, path, None)
-            return None
-        if isinstance(node, dict):
-            if not all(isinstance(key, (str, int)) for key in node):
-                raise _NotPackable  # the index names keys in JSON
-            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
-        if isinstance(node, list):
-            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
-        if isinstance(node, tuple):
-            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
-        return node
-
     try:
-        skeleton = visit(tree, [], False)
+        skeleton = _skeleton(tree, place)
     except _NotPackable:
         return tree
     used = [0] * len(buffers)
@@ -190,35 +203,16 @@ def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
             slot = slots[id(tensor)] = (buffer, sizes[buffer])
             sources[buffer].append(tensor)
             sizes[buffer] += numel
+        if shard is not None and not shard_sizes:
+            shard_sizes.append(shard[2])  # the shard's world_size
         rows.append([path, slot[0], slot[1], numel, list(tensor.shape), shard])
 
-    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
-        if isinstance(node, FlatShard):
-            if in_tuple:
-                raise _NotPackable
-            if not shard_sizes:
-                shard_sizes.append(node.world_size)
-            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
-            return None
-        if isinstance(node, Tensor):
-            if in_tuple:
-                raise _NotPackable
-            place(node, path, None)
-            return None
-        if isinstance(node, dict):
-            if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
-                raise _NotPackable
-            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
-        if isinstance(node, list):
-            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
-        if isinstance(node, tuple):
-            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
+    def other(node: Any, path: list[Any]) -> None:
         if isinstance(node, (bytes, bytearray)):
             checked.append(("/".join(str(key) for key in path), node))
-        return node
 
     try:
-        skeleton = visit(tree, [], False)
+        skeleton = _skeleton(tree, place, other)
     except _NotPackable:
         return None
     nbytes = sum(size * group[0].element_size() for size, group in zip(sizes, sources))
