@@ -46,7 +46,8 @@ class FTCluster:
     """The lighthouse and the groups of one fault-tolerant job."""
 
     def __init__(self, root: Path, *, groups: int, ranks: int = 2, steps: int = 30, step_sleep: float = 0.0,
-                 timeout_s: float = 5.0, min_replicas: int = 1, env: dict[str, str] | None = None) -> None:
+                 timeout_s: float = 5.0, min_replicas: int = 1, env: dict[str, str] | None = None,
+                 join_timeout_ms: int = 1000) -> None:
         self.root, self.groups, self.ranks = root, groups, ranks
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -57,7 +58,7 @@ class FTCluster:
         self.env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FT_OUT=str(root), FT_GROUPS=str(groups),
                         FT_STEPS=str(steps), FT_STEP_SLEEP=str(step_sleep), FT_TIMEOUT=str(timeout_s),
                         TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}", **(env or {}))
-        self.min_replicas = min_replicas
+        self.min_replicas, self.join_timeout_ms = min_replicas, join_timeout_ms
         self.lighthouse: subprocess.Popen | None = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.launches: dict[int, int] = {}
@@ -67,7 +68,7 @@ class FTCluster:
             self.lighthouse = subprocess.Popen(
                 [str(BIN / "torchft_lighthouse"), "--min_replicas", str(self.min_replicas), "--bind",
                  f"[::]:{self.port}", "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", str(HEARTBEAT_MS),
-                 "--join_timeout_ms", "1000"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                 "--join_timeout_ms", str(self.join_timeout_ms)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def launch(self, group: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> None:
         self.launches[group] = self.launches.get(group, 0) + 1
