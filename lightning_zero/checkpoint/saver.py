@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharded",
                storage_options: dict[str, Any] | None = None, marker_fields: dict[str, Any] | None = None,
                process_group: Any = None, coordinator_rank: int | None = None,
-               tuning: CheckpointTuning | None = None, tier: TierSave | None = None, plain: bool = False) -> None:
+               tuning: CheckpointTuning | None = None, tier: TierSave | None = None, plain: bool = False,
+               live: bool = False) -> None:
     """Save ``state_dict`` (nested dicts of tensors, :class:`FlatShard` and plain objects) in the
     background. Returns once the work is queued; tensors must not change until
     :func:`wait_for_staging` returns (the strategy calls it before each optimizer update).
@@ -69,7 +70,9 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     replica group), and the coordinator commits. ``local`` and ``sharded`` only: ``full`` gathers to
     rank 0 of the whole world. ``tuning``: the I/O knobs (:class:`CheckpointTuning`). ``plain`` (``full`` only): the
     file is ``state_dict`` exactly, as ``torch.save`` writes it, without this package's integrity header (a save
-    without optimizer state: [Note: model-only saves] in lightning/lightning_tree.py)."""
+    without optimizer state: [Note: model-only saves] in lightning/lightning_tree.py). ``live``: the caller waits
+    for this save to finish before it changes any tensor (:func:`save` does): CPU tensors are written as they are,
+    not copied first ([Note: synchronous saves write the live state] in runtime/staging.py)."""
     called = time.perf_counter()
     checkpoint_mode = mode_named(mode)
     team = make_team(process_group, coordinator_rank)
@@ -85,7 +88,7 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
     job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called,
-                   tier=tier, plain=plain, layout=layout)
+                   tier=tier, plain=plain, layout=layout, live=live and tier is None)
     checkpointer().submit(loc.url, job.run, stats)
     stats.blocked_s = time.perf_counter() - called
 
@@ -96,7 +99,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "sharde
          tuning: CheckpointTuning | None = None, plain: bool = False) -> None:
     """Synchronous save: :func:`async_save` then wait for the commit."""
     async_save(state_dict, checkpoint_id, mode=mode, storage_options=storage_options, marker_fields=marker_fields,
-               process_group=process_group, coordinator_rank=coordinator_rank, tuning=tuning, plain=plain)
+               process_group=process_group, coordinator_rank=coordinator_rank, tuning=tuning, plain=plain, live=True)
     maybe_finalize_async_calls(blocking=True)
 
 
@@ -193,6 +196,7 @@ class _SaveJob:
     tier: TierSave | None = None  # the local tier's phases run first ([Note: tier layout] in tiers.py)
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
     layout: packed.PackPlan | None = None  # local only: staging fills it ([Note: pack plans] in packed.py)
+    live: bool = False  # the caller waits for the save: no host copy of what it can write as it is
 
     def run(self, staged: threading.Event) -> None:
         try:
@@ -264,7 +268,8 @@ class _SaveJob:
             state = self.mode.to_stage(self.state, self.team.rank)
             # Flat buffers where a local rank file packs them ([Note: packed rank files]); DCP (sharded) would
             # clone each view back into a storage of its own, and a full file is read by other tools.
-            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode.stages_flat or self.tier is not None)
+            self.state = checkpointer().stager.stage(state, self.ready, flat=self.mode.stages_flat or self.tier is not None,
+                                                     live=self.live)
         except Exception as exc:
             self.error = f"rank {self.team.rank}: staging the state failed ({type(exc).__name__}: {exc})"
         finally:

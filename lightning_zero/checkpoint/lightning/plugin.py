@@ -49,7 +49,7 @@ class ZeroCheckpointIO(CheckpointIO):
             (``pip install "lightning-zero[s3torchconnector]"``; endpoint and region from ``endpoint_url`` and
             ``region`` or the ``AWS_*`` environment, credentials from the environment or ``profile``). Never
             written into a checkpoint or a log.
-        tuning: the I/O knobs (writer and reader threads, page-cache writeback, the collector pause);
+        tuning: the I/O knobs (writer and reader threads, page-cache writeback, fsync, the collector pause);
             the defaults of :class:`~lightning_zero.checkpoint.CheckpointTuning` when not given.
         local_tier: a :class:`~lightning_zero.checkpoint.LocalTier`: every save is written to node-local
             storage in ``local`` form and replicated to other nodes; only every ``persist_every``-th save
@@ -107,7 +107,7 @@ class ZeroCheckpointIO(CheckpointIO):
             # local tier too the file goes to the path given: it is small, and any tool must find it there.
             self._link.claim(path)
             saver.async_save({k: v for k, v in checkpoint.items() if k != TREE_TAG}, os.fspath(path), mode="full",
-                             storage_options=options, tuning=self.tuning, plain=True)
+                             storage_options=options, tuning=self.tuning, plain=True, live=not self.async_save)
             if not self.async_save:
                 self.finalize()
             return
@@ -133,7 +133,7 @@ class ZeroCheckpointIO(CheckpointIO):
                             runtime=self._tiers, storage_options=options)
             self._tiers.newest_submitted = (url, tier.persist)
         saver.async_save(tree, os.fspath(path), mode=self.mode, storage_options=options,
-                         marker_fields=fields, tuning=self.tuning, tier=tier)
+                         marker_fields=fields, tuning=self.tuning, tier=tier, live=not self.async_save)
         if not self.async_save:
             self.finalize()
 

@@ -67,13 +67,17 @@ class Stager:
         layout, self._index = planned
         return layout
 
-    def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None, flat: bool = True) -> Any:
+    def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None, flat: bool = True,
+              live: bool = False) -> Any:
         """(background thread) ``tree`` with every tensor copied to the host; other leaves as they are.
         ``flat=False``: each CPU tensor a storage of its own (a file other tools read, where a tensor that is
-        a view of a larger storage would carry all of it). A :meth:`plan` is filled instead (``packed.fill``)."""
+        a view of a larger storage would carry all of it). A :meth:`plan` is filled instead (``packed.fill``).
+        ``live``: the caller waits for the whole save ([Note: synchronous saves write the live state])."""
         if isinstance(tree, packed.PackPlan):
             return packed.fill(tree)
         if ready is None:
+            if live and not (flat and _flattens(tree)):
+                return _map_tensors(tree, lambda _, t: t.detach() if _owns_storage(t) else _host_copy(t))
             return _stage_on_host(tree) if flat else _clone_each(tree)
         event, device = ready
         torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
@@ -108,6 +112,28 @@ each held the GIL for longer than the copy took. A tree of a few large tensors g
 measured slower with it (one large fresh buffer, BENCHMARKS.md), so it is cloned tensor by tensor."""
 
 
+def _owns_storage(tensor: Tensor) -> bool:
+    """[Note: synchronous saves write the live state] A synchronous save (``saver.save``, ``ZeroCheckpointIO(
+    async_save=False)``) holds the training thread until the files are written, so nothing changes the state
+    meanwhile and a host copy of it would only cost time and memory (a tenth of a 50 MB save's time here,
+    BENCHMARKS.md). A CPU tensor is written as it is where it is the whole of its storage, as a clone would
+    be; a view of a larger buffer (a bucket's slice) is still copied, or the file would carry all the buffer."""
+    return (tensor.device.type == "cpu" and not tensor.is_sparse and tensor.storage_offset() == 0
+            and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+def _flattens(tree: Any) -> bool:
+    """Whether :func:`_stage_on_host` copies ``tree`` into flat buffers (many small CPU tensors)."""
+    unique = {id(t): t for t in _tensors(tree) if t.device.type == "cpu" and not t.is_sparse}
+    return _many_small(unique.values())
+
+
+def _many_small(tensors: Any) -> bool:
+    tensors = list(tensors)
+    return len(tensors) >= FLAT_MIN_TENSORS and \
+        sum(t.numel() * t.element_size() for t in tensors) <= FLAT_MAX_MEAN_BYTES * len(tensors)
+
+
 def _host_copy(tensor: Tensor) -> Tensor:
     """A copy of ``tensor`` on the host, in a storage of its own."""
     return tensor.detach().clone() if tensor.device.type == "cpu" else tensor.detach().to("cpu")
@@ -127,8 +153,7 @@ def _stage_on_host(tree: Any) -> Any:
     for tensor in _tensors(tree):
         if tensor.device.type == "cpu" and not tensor.is_sparse:
             unique.setdefault(id(tensor), tensor.detach())
-    if len(unique) < FLAT_MIN_TENSORS or \
-            sum(t.numel() * t.element_size() for t in unique.values()) > FLAT_MAX_MEAN_BYTES * len(unique):
+    if not _many_small(unique.values()):
         return _clone_each(tree)
     by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
     for key, tensor in unique.items():

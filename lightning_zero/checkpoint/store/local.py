@@ -17,6 +17,9 @@ from lightning_zero.checkpoint.store import writeback
 from lightning_zero.checkpoint.store.backend import Failure, Store
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
 
+NEVER = 1 << 62
+"""A writeback interval no file reaches."""
+
 
 def replace_whole(path: str, write: Callable[[str], None]) -> None:
     """(local disks) Create ``path`` whole or not at all: ``write(tmp)`` makes a temporary name beside it
@@ -83,20 +86,22 @@ class LocalStore(Store):
     def write_file(self, path: str, write: Callable[[IO[bytes]], None], tuning: CheckpointTuning = DEFAULT_TUNING,
                    *, progress: Callable[[int], None] | None = None,
                    recycle: Callable[[str], bool] | None = None) -> None:
-        """One file, fsynced. ``progress`` is told how far the
-        bytes are in the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`);
-        ``recycle(path)`` may put an old file at ``path`` to write over, cut to length after ([Note: spare tier
-        files] in tiered/spares.py)."""
+        """One file, fsynced (unless ``tuning.fsync`` is off: then a plain write into the page cache, as
+        ``torch.save``'s). ``progress`` is told how far the bytes are in the kernel
+        (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`); ``recycle(path)`` may put an old
+        file at ``path`` to write over, cut to length after ([Note: spare tier files] in tiered/spares.py)."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         over = recycle is not None and recycle(path)
         with open(path, "r+b" if over else "wb") as f:
-            stream = writeback.WritebackStream(f, tuning.writeback_bytes, tuning.drop_behind,  # [Note: early writeback]
-                                               progress)
+            # [Note: early writeback]; without the fsync, no writeback is asked for (progress is still told).
+            stream = writeback.WritebackStream(f, tuning.writeback_bytes if tuning.fsync else NEVER,
+                                               tuning.drop_behind and tuning.fsync, progress)
             write(stream)  # type: ignore[arg-type]
             if over:
                 f.truncate()
             f.flush()
-            os.fsync(f.fileno())
+            if tuning.fsync:
+                os.fsync(f.fileno())
 
     def write_whole(self, path: str, write_at: Callable[[str], None]) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -145,8 +150,9 @@ class LocalStore(Store):
     def dcp_writer(self, wrap: Callable[[type], type], directory: str, tuning: CheckpointTuning) -> Any:
         import torch.distributed.checkpoint as dcp
 
-        written = wrap(dcp.FileSystemWriter)(directory, sync_files=True, thread_count=tuning.write_threads)
-        written.fs = writeback.WritebackFileSystem(written.fs, tuning)  # [Note: early writeback]
+        written = wrap(dcp.FileSystemWriter)(directory, sync_files=tuning.fsync, thread_count=tuning.write_threads)
+        if tuning.fsync:
+            written.fs = writeback.WritebackFileSystem(written.fs, tuning)  # [Note: early writeback]
         return written
 
     def dcp_reader(self, wrap: Callable[[type], type], directory: str) -> Any:

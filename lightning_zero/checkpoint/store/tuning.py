@@ -24,6 +24,14 @@ class CheckpointTuning:
     ([Note: early writeback] in writeback.py)."""
     drop_behind: bool = True
     """Local files: drop written pages from the page cache once they are on disk ([Note: drop behind])."""
+    fsync: bool = True
+    """Local files: each data file of a save is fsynced (written back early on the way, [Note: early writeback])
+    before the commit marker names it, so a committed checkpoint survives a power loss or a kernel crash as well as
+    a killed process. ``False`` leaves the files to the page cache, as ``torch.save`` (Lightning's
+    ``TorchCheckpointIO``) does: a killed process still loses nothing that was committed and the marker is still
+    written after the files are whole, but a power loss can leave the newest checkpoint torn (its CRC32s then
+    reject it at load) after the older one was removed. What it saves is the disk's time in the save (BENCHMARKS.md,
+    "What a save costs the loop": the synchronous rows)."""
     pause_gc: bool = True
     """Pause Python's cyclic collector while DCP plans and while ``.metadata`` is unpickled ([Note: no
     collections while planning] in dcp/adapter.py)."""

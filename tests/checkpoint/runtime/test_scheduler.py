@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from checkpoint_cases import small_tree, small_tree_values
 
 from lightning_zero.checkpoint import (
@@ -99,6 +100,46 @@ def test_tensors_changed_after_staging_do_not_reach_the_checkpoint(tmp_path: Pat
     loaded = small_tree(0.0)
     load(loaded, str(tmp_path / "ckpt"))
     assert small_tree_values(loaded) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["local", "sharded", "full"])
+def test_a_synchronous_save_writes_the_live_tensors_without_a_host_copy(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       mode: str) -> None:
+    """[Note: synchronous saves write the live state] ``save`` holds its caller until the commit, so the tensors
+    that are the whole of their storage reach the writer as they are (no clone); a view of a larger buffer is
+    still copied (the file would otherwise carry the whole buffer). The checkpoint loads as any other."""
+    big = torch.arange(12.0)
+    tree = small_tree(3.0)
+    tree["model"]["view"] = big[4:8]  # a slice of a larger storage
+    seen: dict[str, Any] = {}
+    original = Stager.stage
+
+    def stage(self: Stager, state: Any, *args: Any, **kwargs: Any) -> Any:
+        staged = original(self, state, *args, **kwargs)
+        seen["staged"], seen["live"] = staged, kwargs.get("live")
+        return staged
+
+    monkeypatch.setattr(Stager, "stage", stage)
+    save(tree, str(tmp_path / "sync"), mode=mode)
+    assert seen["live"] is True
+    staged = seen["staged"]["model"] if "model" in seen["staged"] else seen["staged"]
+    flat = [leaf for leaf in staged.values() if isinstance(leaf, torch.Tensor)]
+    pointers = {t.untyped_storage().data_ptr() for t in flat}
+    assert tree["model"]["b"].untyped_storage().data_ptr() in pointers  # written as it is
+    assert big.untyped_storage().data_ptr() not in pointers  # the view was copied
+    loaded = small_tree(0.0)
+    loaded["model"]["view"] = torch.zeros(4)
+    load(loaded, str(tmp_path / "sync"))
+    assert small_tree_values(loaded) == (3.0, 3.0)
+    assert loaded["model"]["view"].tolist() == [4.0, 5.0, 6.0, 7.0]
+
+    async_save(tree, str(tmp_path / "async"), mode=mode)  # an async save copies all of them
+    maybe_finalize_async_calls(blocking=True)
+    assert seen["live"] is False
+    staged = seen["staged"]["model"] if "model" in seen["staged"] else seen["staged"]
+    assert tree["model"]["b"].untyped_storage().data_ptr() not in {
+        t.untyped_storage().data_ptr() for t in staged.values() if isinstance(t, torch.Tensor)}
 
 
 def test_a_second_save_finalizes_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,6 +110,33 @@ def test_every_mode_starts_writeback_while_writing_and_loads_the_same_state(
     assert torch.equal(target["b"], big_state(1.5)["b"])
 
 
+@pytest.mark.parametrize("mode", ["local", "sharded", "full"])
+def test_with_fsync_off_the_data_files_are_neither_synced_nor_written_back_and_load_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: Recorder, single_rank_group: None,
+        mode: str) -> None:
+    """``CheckpointTuning(fsync=False)``: the data files go to the page cache as ``torch.save``'s do (no
+    writeback request, no fsync); the commit marker is still published whole (one rename), and fsynced."""
+    synced: list[int] = []  # the size of each file fsynced
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save(big_state(1.5), str(tmp_path / "off"), mode=mode, tuning=CheckpointTuning(writeback_bytes=4 * MIB,
+                                                                                   fsync=False))
+    assert recorder.calls == []
+    assert not [size for size in synced if size > MIB], synced  # a marker (a few hundred bytes) is still fsynced
+    target = big_state(0.0)
+    load(target, str(tmp_path / "off"))
+    assert torch.equal(target["w"].local, big_state(1.5)["w"].local)
+    assert torch.equal(target["b"], big_state(1.5)["b"])
+    synced.clear()
+    save(big_state(2.5), str(tmp_path / "on"), mode=mode, tuning=CheckpointTuning(writeback_bytes=4 * MIB))
+    assert recorder.calls and [size for size in synced if size > 12 * MIB], synced  # the default fsyncs the data
+
+
 def test_a_failed_writeback_request_leaves_the_save_to_the_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    single_rank_group: None) -> None:
     # A file that does not take the requests (EINVAL): the save must not fail or change.
