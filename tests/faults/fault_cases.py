@@ -82,8 +82,14 @@ def timed(fn: Callable[[], Any]) -> dict[str, Any]:
 
 def save_while_one_rank_runs_out_of_memory(rank: int, world_size: int, root: str, failing_rank: int,
                                            mode: str) -> dict[str, Any]:
-    """A good save, then one whose staging cannot allocate on ``failing_rank`` (a real RLIMIT_AS OOM)."""
-    from lightning_zero.checkpoint import save
+    """A good save, then one whose staging cannot allocate on ``failing_rank`` (a real RLIMIT_AS OOM). The second is
+    an async save, finalized: a synchronous one writes the live tensors and stages no copy ([Note: synchronous saves
+    write the live state])."""
+    from lightning_zero.checkpoint import async_save, maybe_finalize_async_calls, save
+
+    def save_staged(state: Any, path: str) -> None:
+        async_save(state, path, mode=mode)
+        maybe_finalize_async_calls(blocking=True)
 
     big = 64 * 2**20 // 4 * world_size  # 64 MiB of float32 per rank
     state = sharded_tree(rank, world_size, 1.0, big_numel=big)
@@ -91,8 +97,8 @@ def save_while_one_rank_runs_out_of_memory(rank: int, world_size: int, root: str
     if rank == failing_rank:
         limit_memory(16 * 2**20)
     try:
-        result = timed(lambda: save(sharded_tree(rank, world_size, 2.0, big_numel=big) if rank != failing_rank
-                                    else state, f"{root}/oom.ckpt", mode=mode))
+        result = timed(lambda: save_staged(sharded_tree(rank, world_size, 2.0, big_numel=big) if rank != failing_rank
+                                           else state, f"{root}/oom.ckpt"))
     finally:
         unlimit_memory()
     return result
