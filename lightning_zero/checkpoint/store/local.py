@@ -1,4 +1,5 @@
-"""Local disks and shared file systems (FSx/Lustre/NFS): :class:`LocalStore`. Files are fsynced, a whole file or
+"""Local disks and shared file systems (FSx/Lustre/NFS): :class:`LocalStore`. Files are fsynced (data files unless
+``CheckpointTuning.fsync`` is off), a whole file or
 a marker appears through one rename (:func:`replace_whole`), links are relative symlinks, large writes are
 written back early ([Note: early writeback] in writeback.py) and reads are memory-mapped."""
 
