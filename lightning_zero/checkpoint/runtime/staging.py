@@ -27,6 +27,7 @@ saves as a few records ([Note: packed rank files] in formats/packed.py).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,9 +77,8 @@ class Stager:
         if isinstance(tree, packed.PackPlan):
             return packed.fill(tree)
         if ready is None:
-            if live and not (flat and _flattens(tree)):
-                return _map_tensors(tree, lambda _, t: t.detach() if _owns_storage(t) else _host_copy(t))
-            return _stage_on_host(tree) if flat else _clone_each(tree)
+            to_host = _live_or_copy if live else _host_copy
+            return _stage_on_host(tree, to_host) if flat else _clone_each(tree, to_host)
         event, device = ready
         torch.cuda.set_device(device)  # this thread's kernels and allocations go to the rank's device
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
@@ -112,26 +112,16 @@ each held the GIL for longer than the copy took. A tree of a few large tensors g
 measured slower with it (one large fresh buffer, BENCHMARKS.md), so it is cloned tensor by tensor."""
 
 
-def _owns_storage(tensor: Tensor) -> bool:
+def _live_or_copy(tensor: Tensor) -> Tensor:
     """[Note: synchronous saves write the live state] A synchronous save (``saver.save``, ``ZeroCheckpointIO(
     async_save=False)``) holds the training thread until the files are written, so nothing changes the state
     meanwhile and a host copy of it would only cost time and memory (a tenth of a 50 MB save's time here,
     BENCHMARKS.md). A CPU tensor is written as it is where it is the whole of its storage, as a clone would
-    be; a view of a larger buffer (a bucket's slice) is still copied, or the file would carry all the buffer."""
-    return (tensor.device.type == "cpu" and not tensor.is_sparse and tensor.storage_offset() == 0
+    be; a view of a larger buffer (a bucket's slice) is still copied, or the file would carry all the buffer.
+    Many small tensors are still copied into flat buffers (:func:`_stage_on_host`): a ``local`` file packs those."""
+    owns = (tensor.device.type == "cpu" and not tensor.is_sparse and tensor.storage_offset() == 0
             and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
-
-
-def _flattens(tree: Any) -> bool:
-    """Whether :func:`_stage_on_host` copies ``tree`` into flat buffers (many small CPU tensors)."""
-    unique = {id(t): t for t in _tensors(tree) if t.device.type == "cpu" and not t.is_sparse}
-    return _many_small(unique.values())
-
-
-def _many_small(tensors: Any) -> bool:
-    tensors = list(tensors)
-    return len(tensors) >= FLAT_MIN_TENSORS and \
-        sum(t.numel() * t.element_size() for t in tensors) <= FLAT_MAX_MEAN_BYTES * len(tensors)
+    return tensor.detach() if owns else _host_copy(tensor)
 
 
 def _host_copy(tensor: Tensor) -> Tensor:
@@ -139,12 +129,12 @@ def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().clone() if tensor.device.type == "cpu" else tensor.detach().to("cpu")
 
 
-def _clone_each(tree: Any) -> Any:
-    """``tree`` with every tensor copied to the host into a storage of its own."""
-    return _map_tensors(tree, lambda _, t: _host_copy(t))
+def _clone_each(tree: Any, to_host: Callable[[Tensor], Tensor] = _host_copy) -> Any:
+    """``tree`` with every tensor copied to the host into a storage of its own (``to_host``: how)."""
+    return _map_tensors(tree, lambda _, t: to_host(t))
 
 
-def _stage_on_host(tree: Any) -> Any:
+def _stage_on_host(tree: Any, to_host: Callable[[Tensor], Tensor] = _host_copy) -> Any:
     """``tree`` with its CPU tensors copied into one flat buffer per dtype (views of it, each tensor object
     once), in one ``_foreach_copy_`` per dtype, when it has many small tensors (else cloned one by one); a
     tensor on another device (a caller's meta or CUDA tensor without a CUDA stream to order by) is copied to
@@ -153,8 +143,9 @@ def _stage_on_host(tree: Any) -> Any:
     for tensor in _tensors(tree):
         if tensor.device.type == "cpu" and not tensor.is_sparse:
             unique.setdefault(id(tensor), tensor.detach())
-    if not _many_small(unique.values()):
-        return _clone_each(tree)
+    if len(unique) < FLAT_MIN_TENSORS or \
+            sum(t.numel() * t.element_size() for t in unique.values()) > FLAT_MAX_MEAN_BYTES * len(unique):
+        return _clone_each(tree, to_host)
     by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
     for key, tensor in unique.items():
         by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
@@ -165,7 +156,7 @@ def _stage_on_host(tree: Any) -> Any:
         views = torch._C._nn.unflatten_dense_tensors(flat, sources)  # one call: a view per tensor
         torch._foreach_copy_(views, sources)
         staged.update((key, view) for (key, _), view in zip(items, views))
-    return _map_tensors(tree, lambda _, t: staged[id(t)] if id(t) in staged else _host_copy(t))
+    return _map_tensors(tree, lambda _, t: staged[id(t)] if id(t) in staged else to_host(t))
 
 
 def _tensors(tree: Any) -> list[Tensor]:
