@@ -260,7 +260,8 @@ class _SaveJob:
         tier.durable_committed()
 
     def stage(self, staged: threading.Event) -> None:
-        """Copy the tensors off the live state; ``staged`` lets the training thread's next update go."""
+        """Copy the tensors off the live state (a ``live`` save: only those it cannot write as they are);
+        ``staged`` lets the training thread's next update go."""
         try:
             if self.layout is not None:
                 self.state, self.layout = checkpointer().stager.stage(self.layout), None  # it held the live tensors
