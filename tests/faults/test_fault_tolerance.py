@@ -40,6 +40,15 @@ def assert_identical_where_shared(a: list[dict], b: list[dict], after: int = 0) 
     return len(shared)
 
 
+def sharing(ft: FTCluster, a: int, b: int, count: int, since: float = 0.0) -> bool:
+    """Groups ``a`` and ``b`` (its reports after ``since``) committed at least ``count`` of the same trainer steps,
+    on every rank: what a test waits for before it compares them, so the comparison's size never depends on the
+    machine's speed or on which group wrote its report first."""
+    return all(len(by_step(ft.reports(a, rank)).keys()
+                   & by_step([r for r in ft.reports(b, rank) if r["t"] > since]).keys()) >= count
+               for rank in range(ft.ranks))
+
+
 DATASET = 4096  # tests/faults/ft_job.py's Numbers
 
 
@@ -109,8 +118,9 @@ def test_a_killed_group_costs_the_others_one_step_and_heals_when_relaunched(tmp_
 
         relaunched_at = time.time()
         ft.launch(2)
-        ft.wait_for(lambda: sum(r["participants"] == 3 for r in ft.committed(2) if r["t"] > relaunched_at) >= 5,
-                    240, "the relaunched group committing with 3 participants")
+        ft.wait_for(lambda: sum(r["participants"] == 3 for r in ft.committed(2) if r["t"] > relaunched_at) >= 5
+                    and sharing(ft, 0, 1, 15) and sharing(ft, 0, 2, 5, relaunched_at), 240,
+                    "the relaunched group committing with 3 participants")
         for group in (0, 1):
             assert ft.procs[group].poll() is None, ft.log_tail(group)
     for group in (0, 1):
@@ -143,8 +153,8 @@ def test_a_group_dying_inside_the_cross_group_all_reduce(tmp_path: Path) -> None
         ft.wait_for(lambda: ft.procs[2].poll() is not None, 240, "group 2 dying inside the all-reduce")
         died_at = time.time()
         assert any(r["participants"] == 3 for r in ft.committed(2)), "group 2 never took part"
-        ft.wait_for(lambda: committing(ft, 0, 2, died_at, 8) and committing(ft, 1, 2, died_at, 8), 60,
-                    "the survivors committing on their own")
+        ft.wait_for(lambda: committing(ft, 0, 2, died_at, 8) and committing(ft, 1, 2, died_at, 8)
+                    and sharing(ft, 0, 1, 15), 120, "the survivors committing on their own")
     for rank in range(2):
         assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 15
     assert sum(not r["committed"] for r in ft.reports(0) if r["t"] > died_at) <= 1
@@ -163,7 +173,8 @@ def test_a_frozen_group_is_dropped_and_rejoins_by_healing(tmp_path: Path) -> Non
         frozen_at = ft.kill(2, signal.SIGSTOP)
         ft.wait_for(lambda: committing(ft, 0, 2, frozen_at + 7, 5), 90, "the others committing past the timeout")
         resumed_at = ft.kill(2, signal.SIGCONT)
-        ft.wait_for(lambda: committing(ft, 2, 3, resumed_at, 5), 240, "the frozen group back among three")
+        ft.wait_for(lambda: committing(ft, 2, 3, resumed_at, 5) and sharing(ft, 0, 1, 20)
+                    and sharing(ft, 0, 2, 5, resumed_at), 240, "the frozen group back among three")
     for rank in range(2):
         assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 20
         back = [r for r in ft.reports(2, rank) if r["t"] > resumed_at]
@@ -195,7 +206,9 @@ def test_a_group_killed_again_during_its_heal_heals_when_relaunched_once_more(tm
         assert not any(r["t"] > relaunched_at and r["committed"] for r in ft.reports(2)), "the heal was not cut"
         back_at = time.time()
         ft.launch(2)
-        ft.wait_for(lambda: committing(ft, 2, 3, back_at, 5), 240, "group 2 healed and among three")
+        ft.wait_for(lambda: committing(ft, 2, 3, back_at, 5) and sharing(ft, 0, 1, 10)
+                    and sharing(ft, 0, 2, 5, back_at), 240,
+                    "group 2 healed and among three")
         for group in (0, 1):
             assert ft.procs[group].poll() is None, ft.log_tail(group)
     for rank in range(2):
@@ -229,8 +242,8 @@ def test_a_source_killed_during_a_heal_leaves_the_healer_to_heal_from_another_gr
         ft.wait_for(lambda: any(marked_after(ft, f"serving_g1_r{rank}", relaunched_at) for rank in range(2)), 240,
                     "group 1 serving group 2's heal")
         source_killed_at = ft.kill(1)
-        ft.wait_for(lambda: committing(ft, 2, 2, source_killed_at, 5) and committing(ft, 0, 2, source_killed_at, 5),
-                    240, "group 2 healed and committing with group 0")
+        ft.wait_for(lambda: committing(ft, 2, 2, source_killed_at, 5) and committing(ft, 0, 2, source_killed_at, 5)
+                    and sharing(ft, 0, 2, 5, relaunched_at), 240, "group 2 healed and committing with group 0")
         assert ft.procs[0].poll() is None, ft.log_tail(0)
     for rank in range(2):
         healed = [r for r in ft.reports(2, rank) if r["t"] > relaunched_at]
@@ -253,7 +266,8 @@ def test_down_to_one_group_and_back_to_three(tmp_path: Path) -> None:
         back_at = time.time()
         ft.launch(1)
         ft.launch(2)
-        ft.wait_for(lambda: all(committing(ft, g, 3, back_at, 5) for g in range(3)), 240, "three groups again")
+        ft.wait_for(lambda: all(committing(ft, g, 3, back_at, 5) for g in range(3))
+                    and all(sharing(ft, 0, g, 5, back_at) for g in (1, 2)), 240, "three groups again")
     for group in (1, 2):
         for rank in range(2):
             back = [r for r in ft.reports(group, rank) if r["t"] > back_at]
@@ -299,8 +313,8 @@ def test_a_rank_lost_inside_a_group_is_restarted_by_torchrun_and_heals(tmp_path:
         pid = next(r["pid"] for r in reversed(ft.reports(1, 1)))
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        ft.wait_for(lambda: committing(ft, 1, 2, killed_at, 5) and committing(ft, 1, 2, killed_at, 5), 240,
-                    "group 1 restarted and committing with group 0")
+        ft.wait_for(lambda: committing(ft, 0, 2, killed_at, 5) and committing(ft, 1, 2, killed_at, 5)
+                    and sharing(ft, 0, 1, 5, killed_at), 240, "group 1 restarted and committing with group 0")
     before = {r["pid"] for r in ft.reports(0) if r["t"] < killed_at}
     assert {r["pid"] for r in ft.reports(0)} == before, "group 0 was restarted"
     for rank in range(2):
