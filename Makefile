@@ -44,6 +44,8 @@ bench: install
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/trainer_checkpoint.py --one-rank
 	$(PY) bench/save_phases.py
+	$(PY) bench/save_cost_parts.py --rounds 2
+	$(PY) bench/save_cost_parts.py --phases --model deep
 	$(PY) bench/write_loop.py
 	$(PY) bench/recovery.py
 	$(PY) bench/fault_tolerance.py

@@ -1,0 +1,186 @@
+"""Where an async save's cost in the loop sits: which step after the save pays it, and what is left when parts
+of the background work are taken out.
+
+One rank inside ``Trainer.fit``, as ``trainer_checkpoint.py --one-rank`` runs it (``torch.set_num_threads(1)``,
+async ``local`` saves every ``--every`` steps). For each variant it prints the step time by its position in
+the save period (position ``every - 1`` is the step whose end runs the save hook, 0 the step after it), the
+mean step, its ratio to the run without saves just before it, and the save's own figures (staging, staging
+wait, write). The variants take work out of the background save **for measurement only** (their files are
+not valid checkpoints):
+
+* ``no-crc``: no integrity header (the CRC32s of the data);
+* ``no-torch-save``: the rank file's ``torch.save`` writes one byte instead of the tree;
+* ``no-copy``: staging writes the live tensors instead of copying them;
+* ``none``: all three out (what the save's bookkeeping alone costs).
+
+``--phases`` prints instead the training thread's own part of each save (CPU ms per call, median over the
+saves): Lightning's ``dump_checkpoint``, the strategy's ``save_checkpoint`` with, inside it,
+``zero_state_dict`` and the pack plan, and ``adopt_module_writes``.
+
+    .venv/bin/python bench/save_cost_parts.py [--model wide] [--variants full no-crc ...] [--rounds 1]
+    .venv/bin/python bench/save_cost_parts.py --phases [--model deep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import trainer_checkpoint as tc  # noqa: E402
+
+from lightning_zero.checkpoint import saver  # noqa: E402
+from lightning_zero.checkpoint.modes import local as local_mode  # noqa: E402
+from lightning_zero.checkpoint.runtime import staging  # noqa: E402
+from lightning_zero.checkpoint.store import file_io  # noqa: E402
+
+VARIANTS = ("full", "no-crc", "no-torch-save", "no-copy", "none")
+
+
+@contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+class _NoHeader:
+    """``integrity`` as ``local.write_local`` uses it, with an empty header (``no-crc``)."""
+
+    HEADER_KEY = local_mode.integrity.HEADER_KEY
+
+    @staticmethod
+    def header(*_: Any, **__: Any) -> dict[str, Any]:
+        return {}
+
+
+def without(variant: str) -> ExitStack:
+    """The patches of ``variant`` (see the module docstring), entered."""
+    stack = ExitStack()
+    parts = {"no-crc", "no-torch-save", "no-copy"} if variant == "none" else {variant}
+    if "no-crc" in parts:
+        stack.enter_context(patched(local_mode, "integrity", _NoHeader))
+    if "no-torch-save" in parts:
+        stack.enter_context(patched(file_io, "_save_keeping_write_errors", lambda obj, stream: stream.write(b"x")))
+    if "no-copy" in parts:
+        stack.enter_context(patched(staging, "_host_copy", lambda tensor: tensor.detach()))
+    return stack
+
+
+def by_position(marks: list[tuple[str, float]], every: int) -> dict[int, float]:
+    """Median step ms by position in the save period, past the first period."""
+    starts = [t for name, t in marks if name == "training_step"]
+    steps: dict[int, list[float]] = collections.defaultdict(list)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        if i >= every:
+            steps[i % every].append(1e3 * (b - a))
+    return {position: statistics.median(values) for position, values in sorted(steps.items())}
+
+
+def run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, dict[int, float]]:
+    """(mean step ms, step ms by position) of one ``trainer_checkpoint.one_rank_run``."""
+    positions: dict[int, float] = {}
+    summarize = tc.summarize_periods
+
+    def spy(marks: list[tuple[str, float]], period: int) -> tuple[float, float]:
+        positions.update(by_position(marks, period))
+        return summarize(marks, period)
+
+    with patched(tc, "summarize_periods", spy):
+        step, _ = tc.one_rank_run(kind, model, steps, every, root)
+    return 1e3 * step, positions
+
+
+def parts_table(model: str, variants: list[str], steps: int, every: int, rounds: int) -> None:
+    print(f"`{model}`, async `local` every {every} steps, {steps} steps; load {os.getloadavg()[0]:.1f}")
+    print("| variant | round | no saves ms | step ms | ratio | step ms by position after the save | staging ms"
+          " | staging wait ms | write ms |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as root:
+        for r in range(rounds):
+            for variant in variants:
+                base, _ = run("ours no saves", model, steps, every, root)
+                with without(variant):
+                    step, positions = run("ours async local", model, steps, every, root)
+                stats = saver.checkpointer().last_stats
+                assert stats is not None, "no save committed"
+                # The period from the step after the save: position 0 first, the hook's step last.
+                shown = " / ".join(f"{positions[p]:.0f}" for p in sorted(positions))
+                print(f"| {variant} | {r + 1} | {base:.1f} | {step:.1f} | {step / base:.2f}x | {shown} |"
+                      f" {1e3 * stats.staging_s:.1f} | {1e3 * stats.staging_wait_s:.1f} | {1e3 * stats.write_s:.1f} |",
+                      flush=True)
+
+
+def phases_table(model: str, steps: int, every: int) -> None:
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from lightning_zero.checkpoint.lightning import lightning_tree
+    from lightning_zero.engine.zero_engine import ZeroEngine
+    from lightning_zero.strategy import ZeroLowLevelStrategy
+
+    cpu: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cpu[label].append(1e3 * (time.thread_time() - started))
+
+        return call
+
+    targets = [(_CheckpointConnector, "dump_checkpoint", "Lightning's dump_checkpoint"),
+               (ZeroLowLevelStrategy, "save_checkpoint", "the strategy's save_checkpoint (all below)"),
+               (lightning_tree.engine_tree, "zero_state_dict", "  zero_state_dict"),
+               (staging.Stager, "plan", "  the pack plan"),
+               (ZeroEngine, "adopt_module_writes", "adopt_module_writes (before the save)")]
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as root:
+        for owner, name, label in targets:
+            stack.enter_context(patched(owner, name, timed(label, getattr(owner, name))))
+        step, _ = run("ours async local", model, steps, every, root)
+    print(f"`{model}`, async `local` every {every} steps: step {step:.1f} ms; training thread CPU ms per save"
+          f" (median; load {os.getloadavg()[0]:.1f})")
+    print("| phase | CPU ms |\n| --- | ---: |")
+    for _, _, label in targets:
+        values = cpu[label][1:] or cpu[label]  # the first save pays imports
+        print(f"| {label} | {statistics.median(values):.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="wide", choices=list(tc.MODELS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=46)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--phases", action="store_true", help="the training thread's part of a save instead")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    if args.phases:
+        phases_table(args.model, args.steps, args.every)
+    else:
+        parts_table(args.model, args.variants, args.steps, args.every, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
