@@ -75,16 +75,19 @@ def main() -> None:
                  cpu_ms(lambda: local.write_local(staged, loc, f"{root}/v", 0, 1, "x"), n)[0]))
     # The path a local save takes now ([Note: pack plans]): the layout on the training thread, the copy, header
     # and write on the background one; the second plan reuses the first's index.
+    # A tree of a few large tensors gets no plan (staging.FLAT_MIN_TENSORS): it takes the staged path above only.
     stager = Stager()
-    stager.plan(tree)
     ms, layout = cpu_ms(lambda: stager.plan(tree), n)
-    rows.append(("[training thread] plan (layout walk; index reused)", ms))
-    ms, filled = cpu_ms(lambda: packed.fill(layout), n)
-    rows.append(("plan: fill (copy)", ms))
-    rows.append(("plan: integrity header", cpu_ms(lambda: integrity.header(
-        filled.content, "x", 0, 1, chunked=(packed.PACKED_KEY,), leaves=filled.checked), n)[0]))
-    rows.append(("plan: write_local (header + save)",
-                 cpu_ms(lambda: local.write_local(filled, loc, f"{root}/w", 0, 1, "x"), n)[0]))
+    if layout is None:
+        rows.append(("[training thread] plan (none: few or large tensors, the staged path above)", ms))
+    else:
+        rows.append(("[training thread] plan (layout walk; index reused)", ms))
+        ms, filled = cpu_ms(lambda: packed.fill(layout), n)
+        rows.append(("plan: fill (copy)", ms))
+        rows.append(("plan: integrity header", cpu_ms(lambda: integrity.header(
+            filled.content, "x", 0, 1, chunked=(packed.PACKED_KEY,), leaves=filled.checked), n)[0]))
+        rows.append(("plan: write_local (header + save)",
+                     cpu_ms(lambda: local.write_local(filled, loc, f"{root}/w", 0, 1, "x"), n)[0]))
     meta = zero_state_dict(engine, model)["meta"]  # computed once at setup by the strategy, passed to every save
     rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model, meta=meta), n)[0]))
     rows.append(("[training thread] adopt_module_writes", cpu_ms(engine.adopt_module_writes, n)[0]))
