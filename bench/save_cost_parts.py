@@ -11,7 +11,9 @@ not valid checkpoints):
 * ``no-crc``: no integrity header (the CRC32s of the data);
 * ``no-torch-save``: the rank file's ``torch.save`` writes one byte instead of the tree;
 * ``no-copy``: staging writes the live tensors instead of copying them;
-* ``none``: all three out (what the save's bookkeeping alone costs).
+* ``none``: all three out (what the save's bookkeeping alone costs);
+* ``raw-write``: the rank file's tensors written as raw bytes, one ``write`` each, instead of ``torch.save``
+  (the same bytes into the page cache, without pickling, the zip records and their CRC32s).
 
 ``--phases`` prints instead the training thread's own part of each save (CPU ms per call, median over the
 saves): Lightning's ``dump_checkpoint``, the strategy's ``save_checkpoint`` with, inside it,
@@ -44,11 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trainer_checkpoint as tc  # noqa: E402
 
 from lightning_zero.checkpoint import saver  # noqa: E402
+from lightning_zero.checkpoint.formats.tree import FlatShard, walk  # noqa: E402
 from lightning_zero.checkpoint.modes import local as local_mode  # noqa: E402
 from lightning_zero.checkpoint.runtime import staging  # noqa: E402
 from lightning_zero.checkpoint.store import file_io  # noqa: E402
 
-VARIANTS = ("full", "no-crc", "no-torch-save", "no-copy", "none")
+VARIANTS = ("full", "no-crc", "no-torch-save", "no-copy", "none", "raw-write")
 
 
 @contextmanager
@@ -81,7 +84,17 @@ def without(variant: str) -> ExitStack:
         stack.enter_context(patched(file_io, "_save_keeping_write_errors", lambda obj, stream: stream.write(b"x")))
     if "no-copy" in parts:
         stack.enter_context(patched(staging, "_host_copy", lambda tensor: tensor.detach()))
+    if "raw-write" in parts:
+        stack.enter_context(patched(file_io, "_save_keeping_write_errors", _raw_write))
     return stack
+
+
+def _raw_write(obj: Any, stream: Any) -> None:
+    """Each tensor of ``obj`` as its bytes, one ``write`` each (``raw-write``)."""
+    for _, leaf in walk(obj):
+        tensor = leaf.local if isinstance(leaf, FlatShard) else leaf
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            stream.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
 
 
 def by_position(marks: list[tuple[str, float]], every: int) -> dict[int, float]:
