@@ -75,7 +75,7 @@ def main() -> None:
                  cpu_ms(lambda: local.write_local(staged, loc, f"{root}/v", 0, 1, "x"), n)[0]))
     # The path a local save takes now ([Note: pack plans]): the layout on the training thread, the copy, header
     # and write on the background one; the second plan reuses the first's index.
-    # A tree of a few large tensors gets no plan (staging.FLAT_MIN_TENSORS): it takes the staged path above only.
+    # A tree of a few large tensors gets no plan (staging.many_small): it takes the staged path above only.
     stager = Stager()
     ms, layout = cpu_ms(lambda: stager.plan(tree), n)
     if layout is None:

@@ -175,12 +175,12 @@ class FilledPlan:
     nbytes: int
 
 
-def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
+def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
          previous: tuple[list[Any], bytes] | None = None) -> tuple[PackPlan, tuple[list[Any], bytes]] | None:
     """(training thread) The layout of ``tree``'s packed file, and ``(rows, index)`` to pass as ``previous``
     to the next call; None where :func:`pack` would not pack (a CUDA, sparse or tuple-held tensor, a key JSON
-    cannot name) or the tree is not many small tensors (fewer than ``min_tensors``, or of more than
-    ``max_mean_bytes`` on average: see ``staging.FLAT_MIN_TENSORS``)."""
+    cannot name) or the tree is not many small tensors (``many_small(distinct tensors, their bytes)`` is False:
+    ``staging.many_small``)."""
     slots: dict[int, tuple[int, int]] = {}  # id(tensor) -> (buffer, offset)
     buffer_of: dict[torch.dtype, int] = {}
     sources: list[list[Tensor]] = []
@@ -216,7 +216,7 @@ def plan(tree: dict[str, Any], min_tensors: int, max_mean_bytes: int,
     except _NotPackable:
         return None
     nbytes = sum(size * group[0].element_size() for size, group in zip(sizes, sources))
-    if len(slots) < min_tensors or nbytes > max_mean_bytes * len(slots) or PACKED_KEY in skeleton:
+    if not many_small(len(slots), nbytes) or PACKED_KEY in skeleton:
         return None
     index = previous[1] if previous is not None and previous[0] == rows else json.dumps(rows).encode()
     return PackPlan(skeleton, sources, index, checked, shard_sizes[0] if shard_sizes else None, nbytes), (rows, index)

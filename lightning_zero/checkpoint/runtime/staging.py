@@ -62,7 +62,7 @@ class Stager:
         """(training thread) The layout of a ``local`` rank file of ``tree`` when it is many small CPU tensors,
         reusing the previous save's index when the rows are the same ([Note: pack plans]); None otherwise (the
         tree is staged by :meth:`stage`)."""
-        planned = packed.plan(tree, FLAT_MIN_TENSORS, FLAT_MAX_MEAN_BYTES, self._index)
+        planned = packed.plan(tree, many_small, self._index)
         if planned is None:
             return None
         layout, self._index = planned
@@ -112,6 +112,12 @@ each held the GIL for longer than the copy took. A tree of a few large tensors g
 measured slower with it (one large fresh buffer, BENCHMARKS.md), so it is cloned tensor by tensor."""
 
 
+def many_small(count: int, nbytes: int) -> bool:
+    """Whether ``count`` distinct tensors of ``nbytes`` in all are staged flat (and a ``local`` file of them
+    packed): the rule of :data:`FLAT_MAX_MEAN_BYTES`, in one place for the copy and the pack plan."""
+    return count >= FLAT_MIN_TENSORS and nbytes <= FLAT_MAX_MEAN_BYTES * count
+
+
 def _live_or_copy(tensor: Tensor) -> Tensor:
     """[Note: synchronous saves write the live state] A synchronous save (``saver.save``, ``ZeroCheckpointIO(
     async_save=False)``) holds the training thread until the files are written, so nothing changes the state
@@ -143,8 +149,7 @@ def _stage_on_host(tree: Any, to_host: Callable[[Tensor], Tensor] = _host_copy) 
     for tensor in _tensors(tree):
         if tensor.device.type == "cpu" and not tensor.is_sparse:
             unique.setdefault(id(tensor), tensor.detach())
-    if len(unique) < FLAT_MIN_TENSORS or \
-            sum(t.numel() * t.element_size() for t in unique.values()) > FLAT_MAX_MEAN_BYTES * len(unique):
+    if not many_small(len(unique), sum(t.numel() * t.element_size() for t in unique.values())):
         return _clone_each(tree, to_host)
     by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
     for key, tensor in unique.items():
