@@ -108,17 +108,10 @@ def by_position(marks: list[tuple[str, float]], every: int) -> dict[int, float]:
 
 
 def run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, dict[int, float]]:
-    """(mean step ms, step ms by position) of one ``trainer_checkpoint.one_rank_run``."""
-    positions: dict[int, float] = {}
-    summarize = tc.summarize_periods
-
-    def spy(marks: list[tuple[str, float]], period: int) -> tuple[float, float]:
-        positions.update(by_position(marks, period))
-        return summarize(marks, period)
-
-    with patched(tc, "summarize_periods", spy):
-        step, _ = tc.one_rank_run(kind, model, steps, every, root)
-    return 1e3 * step, positions
+    """(mean step ms, step ms by position) of one ``trainer_checkpoint.one_rank_marks`` run."""
+    marks = tc.one_rank_marks(kind, model, steps, every, root)
+    step, _ = tc.summarize_periods(marks, every)
+    return 1e3 * step, by_position(marks, every)
 
 
 def parts_table(model: str, variants: list[str], steps: int, every: int, rounds: int) -> None:

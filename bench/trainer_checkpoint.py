@@ -145,6 +145,13 @@ def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float
 
 
 def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, float]:
+    """(mean step s, median hook -> next step s) of one run: :func:`summarize_periods` of :func:`one_rank_marks`."""
+    return summarize_periods(one_rank_marks(kind, model, steps, every, root), every)
+
+
+def one_rank_marks(kind: str, model: str, steps: int, every: int, root: str) -> list[tuple[str, float]]:
+    """One ``Trainer.fit`` of ``kind`` (see :data:`RUNS`) on ``model``, a save every ``every`` steps: its clock's
+    marks (``training_step`` starts, the save hooks)."""
     width, depth = MODELS[model]
     module = Net(width, depth)
     data = TensorDataset(torch.randn(steps * 8, width), torch.randn(steps * 8, width))
@@ -172,7 +179,7 @@ def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tu
                       enable_model_summary=False, enable_checkpointing=saves, callbacks=callbacks,
                       strategy=strategy, plugins=plugins)
     trainer.fit(module, DataLoader(data, batch_size=8))
-    return summarize_periods(module.marks, every)
+    return module.marks
 
 
 def one_rank_table(every: int, steps: int, rounds: int, models: list[str], runs: list[str]) -> None:
