@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
@@ -51,7 +52,7 @@ from lightning_zero.checkpoint.modes import local as local_mode  # noqa: E402
 from lightning_zero.checkpoint.runtime import staging  # noqa: E402
 from lightning_zero.checkpoint.store import file_io  # noqa: E402
 
-VARIANTS = ("full", "no-crc", "no-torch-save", "no-copy", "none", "raw-write")
+VARIANTS = ("full", "no-crc", "no-torch-save", "no-copy", "none", "raw-write", "copy-only", "writer-process", "pinned")
 
 
 @contextmanager
@@ -77,19 +78,94 @@ class _NoHeader:
 def without(variant: str) -> ExitStack:
     """The patches of ``variant`` (see the module docstring), entered."""
     stack = ExitStack()
-    parts = {"no-crc", "no-torch-save", "no-copy"} if variant == "none" else {variant}
+    parts = {"none": {"no-crc", "no-torch-save", "no-copy"}, "copy-only": {"no-crc", "no-torch-save"}}.get(variant, {variant})
     if "no-crc" in parts:
         stack.enter_context(patched(local_mode, "integrity", _NoHeader))
     if "no-torch-save" in parts:
-        stack.enter_context(patched(file_io, "_save_keeping_write_errors", lambda obj, stream: stream.write(b"x")))
+        stack.enter_context(patched(file_io, "_save_keeping_write_errors", lambda obj, stream, *_: stream.write(b"x")))
     if "no-copy" in parts:
         stack.enter_context(patched(staging, "_host_copy", lambda tensor: tensor.detach()))
     if "raw-write" in parts:
         stack.enter_context(patched(file_io, "_save_keeping_write_errors", _raw_write))
+    if "pinned" in parts:
+        stack.enter_context(_pinned())
+    if "writer-process" in parts:
+        writer = stack.enter_context(_WriterProcess())
+        stack.enter_context(patched(local_mode, "integrity", _NoHeader))
+        stack.enter_context(patched(file_io, "_save_keeping_write_errors", writer.save))
     return stack
 
 
-def _raw_write(obj: Any, stream: Any) -> None:
+@contextmanager
+def _pinned() -> Iterator[None]:
+    """(``pinned``) The training thread on the first CPU, the save's thread on the others."""
+    from lightning_zero.checkpoint.runtime import scheduler
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--variants pinned needs at least 2 CPUs")
+    real_run = scheduler.SerialWorker._run
+
+    def run_elsewhere(self: Any) -> None:
+        os.sched_setaffinity(0, cpus[1:])
+        real_run(self)
+
+    os.sched_setaffinity(0, cpus[:1])
+    try:
+        with patched(scheduler.SerialWorker, "_run", run_elsewhere):
+            yield
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
+class _WriterProcess:
+    """(``writer-process``) The rank file's CRC32s, ``torch.save`` and fsync done by another process, on tensors of
+    the same sizes that it holds itself, while the save's thread waits for it: what the save would cost the loop
+    with the same work moved out of the training process, where it cannot take the training thread's GIL. The
+    staging copy stays in the training process (it must read the live state)."""
+
+    def __enter__(self) -> _WriterProcess:
+        context = multiprocessing.get_context("spawn")
+        self._conn, theirs = context.Pipe()
+        self._process = context.Process(target=_writer_main, args=(theirs,), daemon=True)
+        self._process.start()
+        self._conn.send([])  # wait for its start and imports here, not in the first save
+        self._conn.recv()
+        return self
+
+    def save(self, obj: Any, stream: Any, *_: Any) -> None:
+        numels = []
+        for _, leaf in walk(obj):
+            tensor = leaf.local if isinstance(leaf, FlatShard) else leaf
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                numels.append(tensor.numel() * tensor.element_size())
+        self._conn.send(numels)
+        self._conn.recv()  # the other process's write is part of this save's time
+        stream.write(b"x")
+
+    def __exit__(self, *_: Any) -> None:
+        self._conn.send(None)
+        self._process.join(10)
+
+
+def _writer_main(conn: Any) -> None:
+    import zlib
+
+    torch.set_num_threads(1)
+    held: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    path = os.path.join(tempfile.mkdtemp(), "rank.pt")
+    while (numels := conn.recv()) is not None:
+        tensors = held.setdefault(tuple(numels), [torch.ones(n, dtype=torch.uint8) for n in numels])
+        for tensor in tensors:
+            zlib.crc32(memoryview(tensor.numpy()))
+        with open(path, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        conn.send(True)
+
+
+def _raw_write(obj: Any, stream: Any, *_: Any) -> None:
     """Each tensor of ``obj`` as its bytes, one ``write`` each (``raw-write``)."""
     for _, leaf in walk(obj):
         tensor = leaf.local if isinstance(leaf, FlatShard) else leaf
@@ -97,9 +173,10 @@ def _raw_write(obj: Any, stream: Any) -> None:
             stream.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
 
 
-def by_position(marks: list[tuple[str, float]], every: int) -> dict[int, float]:
-    """Median step ms by position in the save period, past the first period."""
-    starts = [t for name, t in marks if name == "training_step"]
+def by_position(marks: list[tuple[str, float]], every: int, clock: str = "training_step") -> dict[int, float]:
+    """Median step ms by position in the save period, past the first period; ``clock="training_step_cpu"``: the
+    training thread's CPU time instead of the wall time."""
+    starts = [t for name, t in marks if name == clock]
     steps: dict[int, list[float]] = collections.defaultdict(list)
     for i, (a, b) in enumerate(zip(starts, starts[1:])):
         if i >= every:
@@ -107,30 +184,33 @@ def by_position(marks: list[tuple[str, float]], every: int) -> dict[int, float]:
     return {position: statistics.median(values) for position, values in sorted(steps.items())}
 
 
-def run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, dict[int, float]]:
-    """(mean step ms, step ms by position) of one ``trainer_checkpoint.one_rank_marks`` run."""
+def run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, dict[int, float], float]:
+    """(mean step ms, step ms by position, mean CPU ms of the training thread per step) of one
+    ``trainer_checkpoint.one_rank_marks`` run."""
     marks = tc.one_rank_marks(kind, model, steps, every, root)
     step, _ = tc.summarize_periods(marks, every)
-    return 1e3 * step, by_position(marks, every)
+    cpu = by_position(marks, every, "training_step_cpu")
+    return 1e3 * step, by_position(marks, every), statistics.mean(cpu.values())
 
 
 def parts_table(model: str, variants: list[str], steps: int, every: int, rounds: int) -> None:
     print(f"`{model}`, async `local` every {every} steps, {steps} steps; load {os.getloadavg()[0]:.1f}")
     print("| variant | round | no saves ms | step ms | ratio | step ms by position after the save | staging ms"
-          " | staging wait ms | write ms |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+          " | staging wait ms | write ms | training thread CPU ms a step: no saves, this |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as root:
         for r in range(rounds):
             for variant in variants:
-                base, _ = run("ours no saves", model, steps, every, root)
+                base, _, base_cpu = run("ours no saves", model, steps, every, root)
                 with without(variant):
-                    step, positions = run("ours async local", model, steps, every, root)
+                    step, positions, cpu = run("ours async local", model, steps, every, root)
                 stats = saver.checkpointer().last_stats
                 assert stats is not None, "no save committed"
                 # The period from the step after the save: position 0 first, the hook's step last.
                 shown = " / ".join(f"{positions[p]:.0f}" for p in sorted(positions))
                 print(f"| {variant} | {r + 1} | {base:.1f} | {step:.1f} | {step / base:.2f}x | {shown} |"
-                      f" {1e3 * stats.staging_s:.1f} | {1e3 * stats.staging_wait_s:.1f} | {1e3 * stats.write_s:.1f} |",
+                      f" {1e3 * stats.staging_s:.1f} | {1e3 * stats.staging_wait_s:.1f} | {1e3 * stats.write_s:.1f} |"
+                      f" {base_cpu:.1f}, {cpu:.1f} |",
                       flush=True)
 
 
@@ -161,7 +241,7 @@ def phases_table(model: str, steps: int, every: int) -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as root:
         for owner, name, label in targets:
             stack.enter_context(patched(owner, name, timed(label, getattr(owner, name))))
-        step, _ = run("ours async local", model, steps, every, root)
+        step, _, _ = run("ours async local", model, steps, every, root)
     print(f"`{model}`, async `local` every {every} steps: step {step:.1f} ms; training thread CPU ms per save"
           f" (median; load {os.getloadavg()[0]:.1f})")
     print("| phase | CPU ms |\n| --- | ---: |")

@@ -52,7 +52,8 @@ from lightning_zero.checkpoint import CheckpointTuning, saver  # noqa: E402
 
 
 class Net(LightningModule):
-    """``depth`` x Linear(``width``, ``width``) with AdamW; ``marks``: when each ``training_step`` started."""
+    """``depth`` x Linear(``width``, ``width``) with AdamW; ``marks``: when each ``training_step`` started, by the
+    wall clock and by the training thread's CPU clock."""
 
     def __init__(self, width: int, depth: int = 4) -> None:
         super().__init__()
@@ -62,6 +63,7 @@ class Net(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.marks.append(("training_step", time.perf_counter()))
+        self.marks.append(("training_step_cpu", time.thread_time()))  # the training thread's CPU clock
         x, y = batch
         return F.mse_loss(self.layers(x), y)
 

@@ -113,6 +113,24 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
     return reader._get_metadata_path(rank)
 
 
+def torch_save_without_record_crcs(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` whose zip records carry no CRC32, for this call only (the process-wide
+    ``torch.serialization.set_crc32_options`` would change every other thread's saves too):
+    ``torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment)`` and ``torch.serialization._save``,
+    as ``torch.save`` itself opens and fills the writer (torch 2.6 and later). ``torch.load`` reads such a file as
+    any other; it checks no record CRC in either case ([Note: why our own checksums] in formats/integrity.py)."""
+    import pickle
+
+    import torch.serialization as serialization
+
+    writer = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    try:
+        serialization._save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    finally:  # as torch.save's writer context ends, failed or not
+        writer.write_end_of_file()
+        stream.flush()
+
+
 def crc32_in_torch_save() -> bool:
     """``torch.serialization.get_crc32_options()``: whether ``torch.save`` writes a CRC32 per record
     (torch 2.6 and later)."""

@@ -120,6 +120,21 @@ def test_crc32_in_torch_save_follows_torch_setting() -> None:
         torch.serialization.set_crc32_options(before)
 
 
+def test_torch_save_without_record_crcs_loads_as_torch_save_does(tmp_path: Any) -> None:
+    import zipfile
+
+    state = {"w": torch.arange(5000, dtype=torch.float32), "meta": {"step": 3}}
+    path = tmp_path / "no-crcs.pt"
+    with open(path, "wb") as f:
+        _compat.torch_save_without_record_crcs(state, f)
+    for mmap in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap)
+        assert torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"step": 3}
+    with zipfile.ZipFile(path) as archive:  # the records carry no CRC32 of their own
+        assert {info.CRC for info in archive.infolist() if info.file_size} == {0}
+    assert torch.serialization.get_crc32_options()  # the process-wide setting is untouched
+
+
 def test_device_types_of_a_gloo_group(single_rank_group: None) -> None:
     types = engine_compat.device_types(dist.group.WORLD)
     assert "cpu" in types and all(isinstance(t, str) for t in types)  # gloo also registers for cuda

@@ -31,6 +31,29 @@ def test_a_variant_takes_its_parts_out_and_puts_them_back(bench_import) -> None:
     assert (local_mode.integrity, file_io._save_keeping_write_errors, staging._host_copy) == before
 
 
+def test_copy_only_keeps_the_copy_and_pinned_gives_the_cpus_back(bench_import) -> None:
+    parts = bench_import("save_cost_parts")
+    import os
+
+    from lightning_zero.checkpoint.modes import local as local_mode
+    from lightning_zero.checkpoint.runtime import scheduler, staging
+    from lightning_zero.checkpoint.store import file_io
+
+    tensor = torch.ones(3)
+    with parts.without("copy-only"):
+        assert staging._host_copy(tensor).data_ptr() != tensor.data_ptr()  # still a copy
+        assert local_mode.integrity.header({}, "id", 0, 1) == {}
+        written = []
+        file_io._save_keeping_write_errors({"t": tensor}, type("S", (), {"write": written.append})(), False)
+        assert written == [b"x"]
+    cpus, run = os.sched_getaffinity(0), scheduler.SerialWorker._run
+    if len(cpus) < 2:
+        pytest.skip("pinning needs 2 CPUs")
+    with parts.without("pinned"):
+        assert len(os.sched_getaffinity(0)) == 1 and scheduler.SerialWorker._run is not run
+    assert os.sched_getaffinity(0) == cpus and scheduler.SerialWorker._run is run
+
+
 def test_steps_are_counted_by_their_position_after_the_save(bench_import) -> None:
     parts = bench_import("save_cost_parts")
     # 11 step starts 10 ms apart, except that the steps at positions 0 (after a save) take 30 ms.

@@ -63,8 +63,13 @@ def write_local(state: Any, loc: Location, version_dir: str, rank: int, world_si
             encoded = encode_shards(state)
     encoded[integrity.HEADER_KEY] = integrity.header(encoded, save_id, rank, world_size, chunked=(packed.PACKED_KEY,),
                                                      leaves=leaves)
+    # [Note: one checksum pass] The header holds a CRC32 of every tensor and bytes leaf of the file (the pack's
+    # buffers and index included), and torch.load checks no zip record CRC ([Note: why our own checksums] in
+    # formats/integrity.py): torch's own CRC32 of each record would be a second pass over every byte a save
+    # writes, a third of torch.save's CPU on a few large tensors (bench/save_phases.py), for nothing any reader
+    # checks. Without the header (checksums_disabled, a benchmark) the records keep theirs.
     file_io.torch_save_to(loc, rank_file(version_dir, rank, world_size), encoded, tuning, progress=progress,
-                          recycle=recycle)
+                          recycle=recycle, record_crcs=not integrity.checksums_enabled())
 
 
 def read_local(opened: OpenedCheckpoint, rank: int | None = None, shard_group_size: int | None = None,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint.store import storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location, version_dir_of
 from lightning_zero.checkpoint.store.tuning import DEFAULT_TUNING, CheckpointTuning
@@ -41,27 +42,31 @@ def discard(loc: Location, version_dir: str) -> None:
 
 def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
                   whole: bool = False, progress: Callable[[int], None] | None = None,
-                  recycle: Callable[[str], bool] | None = None) -> None:
+                  recycle: Callable[[str], bool] | None = None, record_crcs: bool = True) -> None:
     """Stream ``torch.save`` straight to storage (no second in-memory copy of the bytes).
 
     ``whole``: the file appears whole or not at all (a file that is itself the commit, as a ``full`` checkpoint
     is). Object stores: one multipart upload that completes at close; a partial upload left by a failure is
-    never referenced (the marker is written last). ``progress`` and ``recycle``: see :func:`write_file`.
+    never referenced (the marker is written last). ``progress``, ``recycle`` and ``record_crcs``: see
+    :func:`write_file`.
     """
     if whole:
-        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning))
+        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning, record_crcs=record_crcs))
         return
-    write_file(loc, path, obj, tuning, progress, recycle)
+    write_file(loc, path, obj, tuning, progress, recycle, record_crcs)
 
 
 def write_file(loc: Location, path: str, obj: Any, tuning: CheckpointTuning = DEFAULT_TUNING,
-               progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None) -> None:
+               progress: Callable[[int], None] | None = None, recycle: Callable[[str], bool] | None = None,
+               record_crcs: bool = True) -> None:
     """``torch.save(obj)`` into ``path`` through the store's ``Store.write_file``: every checkpoint file this
     package writes with ``torch.save`` passes here. Local disks: ``progress`` is told how far the bytes are in
     the kernel (:class:`~lightning_zero.checkpoint.store.writeback.WritebackStream`); ``recycle(path)`` may put an
-    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tiered/spares.py)."""
-    loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream), tuning, progress=progress,
-                         recycle=recycle)
+    old file at ``path`` to write over, cut to length after ([Note: spare tier files] in tiered/spares.py).
+    ``record_crcs=False``: the zip records carry no CRC32 of their own, for a file whose tensors the caller's
+    integrity header checks already ([Note: one checksum pass] in modes/local.py)."""
+    loc.store.write_file(path, lambda stream: _save_keeping_write_errors(obj, stream, record_crcs), tuning,
+                         progress=progress, recycle=recycle)
 
 
 class _WriteErrorKeeper:
@@ -86,10 +91,13 @@ class _WriteErrorKeeper:
         return getattr(self._raw, name)
 
 
-def _save_keeping_write_errors(obj: Any, f: Any) -> None:
+def _save_keeping_write_errors(obj: Any, f: Any, record_crcs: bool = True) -> None:
     keeper = _WriteErrorKeeper(f)
     try:
-        torch.save(obj, keeper)
+        if record_crcs:
+            torch.save(obj, keeper)
+        else:
+            _compat.torch_save_without_record_crcs(obj, keeper)
     except Exception as exc:
         if keeper.error is not None:
             raise keeper.error from exc
