@@ -31,6 +31,13 @@ class TrainerReplicaGroups:
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError("Fault tolerance decides each step in the optimizer step of automatic optimization;"
                              " with `automatic_optimization = False` turn fault_tolerance off.")
+        for name in ("val_check_interval", "limit_train_batches"):
+            value = getattr(trainer, name)
+            if isinstance(value, float) and value != 1.0:
+                raise ValueError(
+                    f"Trainer({name}={value}) is a fraction of the epoch's batches, and with fault tolerance their"
+                    " number changes with the replica groups taking part (each step takes participants x ranks x"
+                    f" batch samples of the epoch): give `{name}` as a whole number of batches instead.")
         self.trainer = trainer
         self.group_rank, self.group_size = group_rank, group_size
         self.groups = ReplicaGroups(config, group_rank, group_size, device)
