@@ -1,5 +1,5 @@
 """The Trainer's side of fault tolerance across replica groups ([Note: one step across groups] in
-engine/fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position), what a
+engine/fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position, ModelCheckpoint's state), what a
 discarded step must leave as it was (the trainer's step, the loggers' step, the LR schedulers, the epoch's end),
 how each batch is split across the groups, and which group writes the checkpoints."""
 
@@ -85,7 +85,8 @@ class TrainerReplicaGroups:
         trainer = self.trainer
         return {"loops": _compat.loop_counters(trainer),
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-                "data": [(sampler.epoch, sampler.start) for sampler in replica_group_samplers(trainer)]}
+                "data": [(sampler.epoch, sampler.start) for sampler in replica_group_samplers(trainer)],
+                "checkpoints": [callback.state_dict() for callback in trainer.checkpoint_callbacks]}
 
     def _load(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
@@ -95,6 +96,10 @@ class TrainerReplicaGroups:
         in_step_ranks = None if self.groups.joining else self.data_split()[0]  # the quorum is loaded first
         for sampler, (epoch, start) in zip(replica_group_samplers(trainer), state["data"], strict=True):
             sampler.heal(epoch, start, in_step_ranks)
+        # What the writing group's ModelCheckpoint wrote and keeps (its `last`, its top k), so that this group, once
+        # it writes, replaces and removes those files instead of versioning its own beside them (`last-v1.ckpt`).
+        for callback, saved in zip(trainer.checkpoint_callbacks, state.get("checkpoints", ()), strict=False):
+            callback.load_state_dict(saved)
 
     def _samplers_follow(self, committed: bool) -> None:
         for sampler in replica_group_samplers(self.trainer):

@@ -276,6 +276,28 @@ def test_down_to_one_group_and_back_to_three(tmp_path: Path) -> None:
     assert assert_every_sample_once(ft, 3) > 0
 
 
+def test_a_group_that_joins_and_then_writes_replaces_the_checkpoints_of_the_group_it_healed_from(tmp_path: Path) -> None:
+    """Group 1 trains alone and writes `last.ckpt`; group 0 joins, heals from it and, as the first group of the
+    quorum, writes from then on. It replaces and removes what group 1 wrote (the heal carries ModelCheckpoint's
+    state) instead of versioning its own files beside them (`last-v1.ckpt`)."""
+    from lightning_zero.checkpoint import read_lightning_checkpoint
+
+    checkpoints = tmp_path / "ckpt"
+    with FTCluster(tmp_path / "run", groups=2, steps=100_000, step_sleep=0.1,
+                   env={"FT_CKPT_DIR": str(checkpoints)}) as ft:
+        ft.start_lighthouse()
+        ft.launch(1)
+        ft.wait_for(lambda: ft.step_of(1) >= 7 and (checkpoints / "last.ckpt").exists(), 240,
+                    "group 1 alone past its first save")
+        joined_at, step_at_join = time.time(), ft.step_of(1)
+        ft.launch(0)
+        ft.wait_for(lambda: committing(ft, 0, 2, joined_at, 12), 240, "group 0 in the quorum, writing")
+    assert [r["heals"] for r in ft.reports(0)][-1] == 1
+    names = sorted(path.name for path in checkpoints.glob("*.ckpt"))
+    assert "last.ckpt" in names and not [name for name in names if name.startswith("last-v")], names
+    assert read_lightning_checkpoint(str(checkpoints / "last.ckpt"))["global_step"] > step_at_join + 5
+
+
 def test_a_lost_lighthouse_stops_every_group_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     """The lighthouse SIGKILLed: no group hangs; each stops once its quorum timeout (5 s here) has passed, saying
     what happened and what to do, and the last checkpoint (sharded, written by one group) reads whole. torchft's
@@ -297,9 +319,7 @@ def test_a_lost_lighthouse_stops_every_group_with_a_clear_error_and_keeps_the_la
     assert stopped_after < 30, f"{stopped_after:.0f} s"
     for group in range(2):
         assert "no quorum from the torchft lighthouse" in (tmp_path / "run" / f"g{group}.log").read_text()
-    # The newest "last" (ModelCheckpoint versions the name when the writing group changed at the start).
-    newest = max(checkpoints.glob("last*.ckpt"), key=lambda path: path.stat().st_mtime)
-    assert read_lightning_checkpoint(str(newest))["global_step"] >= 10
+    assert read_lightning_checkpoint(str(checkpoints / "last.ckpt"))["global_step"] >= 10
 
 
 def test_a_rank_lost_inside_a_group_is_restarted_by_torchrun_and_heals(tmp_path: Path) -> None:
