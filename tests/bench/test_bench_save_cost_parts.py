@@ -26,6 +26,7 @@ def test_a_variant_takes_its_parts_out_and_puts_them_back(bench_import) -> None:
     with parts.without("none"):
         assert staging._host_copy(tensor).data_ptr() == tensor.data_ptr()  # the live tensor, not a copy
         assert local_mode.integrity.header({}, "id", 0, 1) == {}
+        assert local_mode.integrity.checksums_enabled()  # write_local asks it: the records get no CRC32 either
     with parts.without("no-crc"):
         assert file_io._save_keeping_write_errors is before[1] and staging._host_copy is before[2]
     assert (local_mode.integrity, file_io._save_keeping_write_errors, staging._host_copy) == before
