@@ -51,7 +51,7 @@ def torch_save_to(loc: Location, path: str, obj: Any, tuning: CheckpointTuning =
     :func:`write_file`.
     """
     if whole:
-        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning, record_crcs=record_crcs))
+        loc.store.write_whole(path, lambda target: write_file(loc, target, obj, tuning, None, None, record_crcs))
         return
     write_file(loc, path, obj, tuning, progress, recycle, record_crcs)
 
