@@ -8,12 +8,23 @@ mean step, its ratio to the run without saves just before it, and the save's own
 wait, write). The variants take work out of the background save **for measurement only** (their files are
 not valid checkpoints):
 
-* ``no-crc``: no integrity header (the CRC32s of the data);
+* ``no-crc``: no integrity header (the CRC32s of the data; the zip records carry none either, as in every
+  ``local`` rank file: [Note: one checksum pass] in modes/local.py);
 * ``no-torch-save``: the rank file's ``torch.save`` writes one byte instead of the tree;
 * ``no-copy``: staging writes the live tensors instead of copying them;
 * ``none``: all three out (what the save's bookkeeping alone costs);
 * ``raw-write``: the rank file's tensors written as raw bytes, one ``write`` each, instead of ``torch.save``
-  (the same bytes into the page cache, without pickling, the zip records and their CRC32s).
+  (the same bytes into the page cache, without pickling and the zip records);
+* ``copy-only``: the staging copy and nothing of the write (no CRC32s, one byte for the rank file): what any
+  asynchronous save pays for its snapshot of the state;
+* ``writer-process``: the CRC32s, ``torch.save`` and fsync of the rank file done by another process on tensors
+  of the same sizes while the save's thread waits for it (the staging copy stays): the same work where it
+  cannot take the training thread's GIL;
+* ``pinned``: the training thread on the first CPU, the save's thread (and any thread it starts) on the others.
+
+Each row also gives the training thread's CPU time a step, beside the same run's without saves: a step that
+waits for the GIL or for a core takes more wall time but no more CPU time, a step slowed by what the other core
+does to the memory both share (the caches, the memory bus) takes more of both.
 
 ``--phases`` prints instead the training thread's own part of each save (CPU ms per call, median over the
 saves): Lightning's ``dump_checkpoint``, the strategy's ``save_checkpoint`` with, inside it,

@@ -22,6 +22,7 @@ imports no Lightning.
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 import warnings
 from collections.abc import Callable
@@ -116,16 +117,14 @@ def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
 def torch_save_without_record_crcs(obj: Any, stream: Any) -> None:
     """``torch.save(obj, stream)`` whose zip records carry no CRC32, for this call only (the process-wide
     ``torch.serialization.set_crc32_options`` would change every other thread's saves too):
-    ``torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment)`` and ``torch.serialization._save``,
-    as ``torch.save`` itself opens and fills the writer (torch 2.6 and later). ``torch.load`` reads such a file as
+    ``torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment)``,
+    ``torch.serialization._get_storage_alignment`` and ``torch.serialization._save``, as ``torch.save`` itself opens
+    and fills the writer in the torch versions the package supports (``make test-matrix`` runs this module's tests
+    on each). ``torch.load`` reads such a file as
     any other; it checks no record CRC in either case ([Note: why our own checksums] in formats/integrity.py)."""
-    import pickle
-
-    import torch.serialization as serialization
-
-    writer = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     try:
-        serialization._save(obj, writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+        torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     finally:  # as torch.save's writer context ends, failed or not
         writer.write_end_of_file()
         stream.flush()
@@ -231,6 +230,21 @@ def load_loop_counters(trainer: Any, counters: dict[str, Any], in_step: bool) ->
         progress.optimizer.step.increment_ready()
     loop.epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
     loop.epoch_progress.load_state_dict(counters["epoch_progress"])
+
+
+def checkpoint_callback_state(callback: Any) -> dict[str, Any]:
+    """A ``ModelCheckpoint``'s ``state_dict()`` with the two fields it keeps outside it and decides its next save by
+    (Lightning 2.4 to 2.6): ``_last_global_step_saved`` (a step saved once is not saved again) and
+    ``_last_checkpoint_saved`` (the file ``save_last="link"`` links to), for a heal."""
+    return {"state": callback.state_dict(), "last_global_step_saved": callback._last_global_step_saved,
+            "last_checkpoint_saved": callback._last_checkpoint_saved}
+
+
+def load_checkpoint_callback_state(callback: Any, saved: dict[str, Any]) -> None:
+    """Put :func:`checkpoint_callback_state` of a peer's callback into ``callback``."""
+    callback.load_state_dict(saved["state"])
+    callback._last_global_step_saved = saved["last_global_step_saved"]
+    callback._last_checkpoint_saved = saved["last_checkpoint_saved"]
 
 
 def mark_last_batch(trainer: Any, last: bool) -> None:

@@ -1,7 +1,7 @@
 """The Trainer's side of fault tolerance across replica groups ([Note: one step across groups] in
-engine/fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position, ModelCheckpoint's state), what a
-discarded step must leave as it was (the trainer's step, the loggers' step, the LR schedulers, the epoch's end),
-how each batch is split across the groups, and which group writes the checkpoints."""
+engine/fault_tolerance.py): what a heal carries of the fit (loop counters, LR schedulers, the data position, the
+checkpoint callbacks' state), what a discarded step must leave as it was (the trainer's step, the loggers' step, the
+LR schedulers, the epoch's end), how each batch is split across the groups, and which group writes the checkpoints."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ class TrainerReplicaGroups:
         for name in ("val_check_interval", "limit_train_batches"):
             value = getattr(trainer, name)
             if isinstance(value, float) and value != 1.0:
+                given = "overfit_batches" if name == "limit_train_batches" and trainer.overfit_batches else name
                 raise ValueError(
-                    f"Trainer({name}={value}) is a fraction of the epoch's batches, and with fault tolerance their"
+                    f"Trainer({given}={value}) is a fraction of the epoch's batches, and with fault tolerance their"
                     " number changes with the replica groups taking part (each step takes participants x ranks x"
-                    f" batch samples of the epoch): give `{name}` as a whole number of batches instead.")
+                    f" batch samples of the epoch): give `{given}` as a whole number of batches instead.")
         self.trainer = trainer
         self.group_rank, self.group_size = group_rank, group_size
         self.groups = ReplicaGroups(config, group_rank, group_size, device)
@@ -86,7 +87,8 @@ class TrainerReplicaGroups:
         return {"loops": _compat.loop_counters(trainer),
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
                 "data": [(sampler.epoch, sampler.start) for sampler in replica_group_samplers(trainer)],
-                "checkpoints": [callback.state_dict() for callback in trainer.checkpoint_callbacks]}
+                "checkpoints": {callback.state_key: (callback.dirpath, _compat.checkpoint_callback_state(callback))
+                                for callback in trainer.checkpoint_callbacks}}
 
     def _load(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
@@ -96,10 +98,15 @@ class TrainerReplicaGroups:
         in_step_ranks = None if self.groups.joining else self.data_split()[0]  # the quorum is loaded first
         for sampler, (epoch, start) in zip(replica_group_samplers(trainer), state["data"], strict=True):
             sampler.heal(epoch, start, in_step_ranks)
-        # What the writing group's ModelCheckpoint wrote and keeps (its `last`, its top k), so that this group, once
-        # it writes, replaces and removes those files instead of versioning its own beside them (`last-v1.ckpt`).
-        for callback, saved in zip(trainer.checkpoint_callbacks, state.get("checkpoints", ()), strict=False):
-            callback.load_state_dict(saved)
+        # What the writing group's ModelCheckpoint wrote and keeps (its `last`, its top k, the step it saved last), so
+        # that this group, once it writes, replaces and removes those files instead of versioning its own beside them
+        # (`last-v1.ckpt`). Only a callback writing to the same directory: another group's directory is not this
+        # group's to remove files from (each group's default directory is its own logger's).
+        checkpoints = state.get("checkpoints", {})
+        for callback in trainer.checkpoint_callbacks:
+            dirpath, saved = checkpoints.get(callback.state_key, (None, None))
+            if saved is not None and dirpath == callback.dirpath:
+                _compat.load_checkpoint_callback_state(callback, saved)
 
     def _samplers_follow(self, committed: bool) -> None:
         for sampler in replica_group_samplers(self.trainer):

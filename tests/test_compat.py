@@ -135,6 +135,18 @@ def test_torch_save_without_record_crcs_loads_as_torch_save_does(tmp_path: Any) 
     assert torch.serialization.get_crc32_options()  # the process-wide setting is untouched
 
 
+def test_a_checkpoint_callbacks_state_carries_what_decides_its_next_save(tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    source = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    source.last_model_path, source.best_model_path = str(tmp_path / "last.ckpt"), str(tmp_path / "best.ckpt")
+    source._last_global_step_saved, source._last_checkpoint_saved = 15, str(tmp_path / "step=15.ckpt")
+    healed = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _compat.load_checkpoint_callback_state(healed, _compat.checkpoint_callback_state(source))
+    assert healed.last_model_path == source.last_model_path and healed.best_model_path == source.best_model_path
+    assert (healed._last_global_step_saved, healed._last_checkpoint_saved) == (15, str(tmp_path / "step=15.ckpt"))
+
+
 def test_device_types_of_a_gloo_group(single_rank_group: None) -> None:
     types = engine_compat.device_types(dist.group.WORLD)
     assert "cpu" in types and all(isinstance(t, str) for t in types)  # gloo also registers for cuda

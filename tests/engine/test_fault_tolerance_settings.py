@@ -89,14 +89,16 @@ def _engine_refusal(rank: int, world_size: int, case: str) -> str:
 @pytest.mark.parametrize(("settings", "message"), [
     ({"val_check_interval": 0.25}, "Trainer(val_check_interval=0.25) is a fraction"),
     ({"limit_train_batches": 0.5}, "Trainer(limit_train_batches=0.5) is a fraction"),
+    ({"limit_train_batches": 0.01, "overfit_batches": 0.01}, "Trainer(overfit_batches=0.01) is a fraction"),
     ({"automatic_optimization": False}, "turn fault_tolerance off"),
 ])
 def test_settings_without_a_meaning_across_groups_are_refused_before_joining(settings: dict, message: str) -> None:
     from lightning_zero.trainer_fault_tolerance import TrainerReplicaGroups
 
-    module = SimpleNamespace(automatic_optimization=settings.pop("automatic_optimization", True))
-    trainer = SimpleNamespace(lightning_module=module, **{"val_check_interval": 1.0, "limit_train_batches": 1.0,
-                                                          **settings})
+    settings = {"val_check_interval": 1.0, "limit_train_batches": 1.0, "overfit_batches": 0.0,
+                "automatic_optimization": True, **settings}
+    module = SimpleNamespace(automatic_optimization=settings.pop("automatic_optimization"))
+    trainer = SimpleNamespace(lightning_module=module, **settings)
     # The lighthouse is never reached: the refusal comes first.
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainerReplicaGroups(FaultTolerance(0, lighthouse="http://127.0.0.1:9"), trainer, 0, 1, torch.device("cpu"))

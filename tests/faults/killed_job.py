@@ -20,6 +20,8 @@ def main(mode: str, dirpath: str) -> None:
     import torch
     from checkpoint_cases import fit, make_trainer
 
+    from lightning_zero import _compat
+
     target = "/last.ckpt"
     if mode == "weights":
         # ``python killed_job.py weights DIRPATH``: a weights-only ModelCheckpoint writing one name
@@ -33,8 +35,6 @@ def main(mode: str, dirpath: str) -> None:
         trainer = make_trainer(mode, dirpath, 2, start_method="fork")
     seen: list[str] = []
 
-    real_save = torch.save
-
     def saving(frame: Any) -> str:
         """The checkpoint the background save job calling us writes ("" outside one)."""
         while frame is not None:
@@ -44,22 +44,26 @@ def main(mode: str, dirpath: str) -> None:
             frame = frame.f_back
         return ""
 
-    def half_then_kill(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        url = "" if isinstance(f, io.BytesIO) else saving(sys._getframe(1))
-        if url.endswith(target) and mode == "weights" and url not in seen:
-            seen.append(url)  # the first write of the name commits
-        elif url.endswith(target):
-            buffer = io.BytesIO()
-            real_save(obj, buffer, *args, **kwargs)
-            data = buffer.getvalue()
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        real_save(obj, f, *args, **kwargs)
+    def half_then_kill(real_save: Any) -> Any:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            url = "" if isinstance(f, io.BytesIO) else saving(sys._getframe(1))
+            if url.endswith(target) and mode == "weights" and url not in seen:
+                seen.append(url)  # the first write of the name commits
+            elif url.endswith(target):
+                buffer = io.BytesIO()
+                real_save(obj, buffer, *args, **kwargs)
+                data = buffer.getvalue()
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            real_save(obj, f, *args, **kwargs)
 
-    # The rank files, the sharded objects file and the full file are all torch.save streams; DCP's
-    # data files of sharded mode are too, through DCP's writer.
-    torch.save = half_then_kill  # type: ignore[assignment]
+        return save
+
+    # The sharded objects file and the full file are torch.save streams, and DCP's data files of sharded mode
+    # too, through DCP's writer; the local rank files are written without record CRCs ([Note: one checksum pass]).
+    torch.save = half_then_kill(torch.save)  # type: ignore[assignment]
+    _compat.torch_save_without_record_crcs = half_then_kill(_compat.torch_save_without_record_crcs)
     fit(trainer)
 
 
