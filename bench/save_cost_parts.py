@@ -150,12 +150,7 @@ class _WriterProcess:
         return self
 
     def save(self, obj: Any, stream: Any, *_: Any) -> None:
-        numels = []
-        for _, leaf in walk(obj):
-            tensor = leaf.local if isinstance(leaf, FlatShard) else leaf
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
-                numels.append(tensor.numel() * tensor.element_size())
-        self._conn.send(numels)
+        self._conn.send([tensor.numel() * tensor.element_size() for tensor in _data_tensors(obj)])
         self._conn.recv()  # the other process's write is part of this save's time
         stream.write(b"x")
 
@@ -165,28 +160,40 @@ class _WriterProcess:
 
 
 def _writer_main(conn: Any) -> None:
+    """(the ``writer-process`` process) Per request (the byte sizes of the rank file's tensors), what ``write_local``
+    does to tensors of those sizes, made once and kept: their CRC32s, then a ``torch.save`` whose records carry no
+    CRC32 of their own ([Note: one checksum pass]), fsynced."""
     import zlib
+
+    from lightning_zero import _compat
 
     torch.set_num_threads(1)
     held: dict[tuple[int, ...], list[torch.Tensor]] = {}
     path = os.path.join(tempfile.mkdtemp(), "rank.pt")
-    while (numels := conn.recv()) is not None:
-        tensors = held.setdefault(tuple(numels), [torch.ones(n, dtype=torch.uint8) for n in numels])
+    while (sizes := conn.recv()) is not None:
+        if tuple(sizes) not in held:
+            held[tuple(sizes)] = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+        tensors = held[tuple(sizes)]
         for tensor in tensors:
             zlib.crc32(memoryview(tensor.numpy()))
         with open(path, "wb") as f:
-            torch.save(tensors, f)
-            f.flush()
+            _compat.torch_save_without_record_crcs(tensors, f)
             os.fsync(f.fileno())
         conn.send(True)
 
 
-def _raw_write(obj: Any, stream: Any, *_: Any) -> None:
-    """Each tensor of ``obj`` as its bytes, one ``write`` each (``raw-write``)."""
+def _data_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a rank file's tree that hold data (a flat shard's local part), in order."""
     for _, leaf in walk(obj):
         tensor = leaf.local if isinstance(leaf, FlatShard) else leaf
         if isinstance(tensor, torch.Tensor) and tensor.numel():
-            stream.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
+            yield tensor
+
+
+def _raw_write(obj: Any, stream: Any, *_: Any) -> None:
+    """Each tensor of ``obj`` as its bytes, one ``write`` each (``raw-write``)."""
+    for tensor in _data_tensors(obj):
+        stream.write(memoryview(tensor.detach().contiguous().view(torch.uint8).numpy()))
 
 
 def by_position(marks: list[tuple[str, float]], every: int, clock: str = "training_step") -> dict[int, float]:

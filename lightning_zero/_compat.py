@@ -120,8 +120,8 @@ def torch_save_without_record_crcs(obj: Any, stream: Any) -> None:
     ``torch._C.PyTorchFileWriter(stream, compute_crc32, storage_alignment)``,
     ``torch.serialization._get_storage_alignment`` and ``torch.serialization._save``, as ``torch.save`` itself opens
     and fills the writer in the torch versions the package supports (``make test-matrix`` runs this module's tests
-    on each). ``torch.load`` reads such a file as
-    any other; it checks no record CRC in either case ([Note: why our own checksums] in formats/integrity.py)."""
+    on each). ``torch.load`` reads such a file as any other; it checks no record CRC in either case ([Note: why
+    our own checksums] in formats/integrity.py)."""
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     try:
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)

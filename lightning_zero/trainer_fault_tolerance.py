@@ -87,7 +87,7 @@ class TrainerReplicaGroups:
         return {"loops": _compat.loop_counters(trainer),
                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
                 "data": [(sampler.epoch, sampler.start) for sampler in replica_group_samplers(trainer)],
-                "checkpoints": {callback.state_key: (callback.dirpath, _compat.checkpoint_callback_state(callback))
+                "checkpoints": {callback.state_key: _compat.checkpoint_callback_state(callback)
                                 for callback in trainer.checkpoint_callbacks}}
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -102,10 +102,9 @@ class TrainerReplicaGroups:
         # that this group, once it writes, replaces and removes those files instead of versioning its own beside them
         # (`last-v1.ckpt`). Only a callback writing to the same directory: another group's directory is not this
         # group's to remove files from (each group's default directory is its own logger's).
-        checkpoints = state.get("checkpoints", {})
         for callback in trainer.checkpoint_callbacks:
-            dirpath, saved = checkpoints.get(callback.state_key, (None, None))
-            if saved is not None and dirpath == callback.dirpath:
+            saved = state["checkpoints"].get(callback.state_key)
+            if saved is not None and saved["state"]["dirpath"] == callback.dirpath:
                 _compat.load_checkpoint_callback_state(callback, saved)
 
     def _samplers_follow(self, committed: bool) -> None:

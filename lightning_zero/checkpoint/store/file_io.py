@@ -93,11 +93,9 @@ class _WriteErrorKeeper:
 
 def _save_keeping_write_errors(obj: Any, f: Any, record_crcs: bool = True) -> None:
     keeper = _WriteErrorKeeper(f)
+    save = torch.save if record_crcs else _compat.torch_save_without_record_crcs
     try:
-        if record_crcs:
-            torch.save(obj, keeper)
-        else:
-            _compat.torch_save_without_record_crcs(obj, keeper)
+        save(obj, keeper)
     except Exception as exc:
         if keeper.error is not None:
             raise keeper.error from exc
