@@ -122,12 +122,58 @@ def torch_save_without_record_crcs(obj: Any, stream: Any) -> None:
     and fills the writer in the torch versions the package supports (``make test-matrix`` runs this module's tests
     on each). ``torch.load`` reads such a file as any other; it checks no record CRC in either case ([Note: why
     our own checksums] in formats/integrity.py)."""
-    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    writer = torch._C.PyTorchFileWriter(stream, False, storage_alignment())
     try:
         torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     finally:  # as torch.save's writer context ends, failed or not
         writer.write_end_of_file()
         stream.flush()
+
+
+def dcp_save_tensors(state_dict: dict[str, Any], storage_writer: Any, planner: Any, process_group: Any) -> Any:
+    """``torch.distributed.checkpoint.save`` of a state dict that holds no ``Stateful`` object (tensors and
+    flat chunks): ``state_dict_saver._save_state_dict``, the function ``save`` calls after its walk of the
+    top-level values (torch 2.4 to 2.15). That walk checks each value against the runtime ``Stateful``
+    protocol, whose ``isinstance`` collects the protocol's members every time, and wraps each in DCP's
+    per-call logger: a per-key cost that a ``sharded`` save of thousands of flat keys paid on every save
+    (BENCHMARKS.md). ``no_dist`` as ``save`` decides it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import state_dict_saver
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    return state_dict_saver._save_state_dict(state_dict=state_dict, storage_writer=storage_writer,
+                                             process_group=process_group, no_dist=no_dist, planner=planner)
+
+
+def storage_alignment() -> int:
+    """``torch.serialization._get_storage_alignment()``: the alignment of ``torch.save``'s data records
+    (torch 2.5 and later)."""
+    return int(torch.serialization._get_storage_alignment())
+
+
+def dcp_writes_plain_files(writer: Any) -> bool:
+    """Whether DCP file-system writer ``writer`` writes one data file per rank with no stream transforms
+    (``_FileSystemWriter.single_file_per_rank`` and ``.transforms.extensions``, torch 2.6 and later): the
+    files :mod:`~lightning_zero.checkpoint.dcp.items` writes in its place."""
+    transforms = getattr(writer, "transforms", None)
+    return bool(getattr(writer, "single_file_per_rank", False)) and transforms is not None and not tuple(
+        getattr(transforms, "extensions", (None,)))
+
+
+def dcp_data_file_name(plan: Any, index: int) -> str:
+    """The name DCP's file-system writer gives a rank's ``index``-th data file: ``plan.storage_data.prefix``
+    (a ``_StoragePrefix``) + index + ``filesystem.DEFAULT_SUFFIX`` (torch 2.4 to 2.15)."""
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+
+    return f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's record of where an item is (``filesystem._StorageInfo``, torch 2.4 to 2.15), as its writer makes it
+    for an item written without stream transforms."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
 
 
 def crc32_in_torch_save() -> bool:

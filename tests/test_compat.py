@@ -111,6 +111,53 @@ def test_file_system_reader_slices_items_with_slice_file(tmp_path: Path) -> None
     assert view.read() == b"234"
 
 
+def test_storage_alignment_is_the_alignment_of_torch_save_data_records() -> None:
+    import io
+    import zipfile
+
+    alignment = _compat.storage_alignment()
+    assert alignment > 0 and alignment & (alignment - 1) == 0
+    blob = io.BytesIO()
+    torch.save(torch.arange(10.0), blob)
+    with zipfile.ZipFile(io.BytesIO(blob.getvalue())) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("/data/0"))
+    header = blob.getvalue()[record.header_offset: record.header_offset + 30]
+    start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    assert start % alignment == 0
+
+
+def test_dcp_save_tensors_writes_what_dcp_save_writes(single_rank_group: None, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.arange(6.0), "b": torch.full((2, 3), 7, dtype=torch.int64)}
+    _compat.dcp_save_tensors(state, dcp.FileSystemWriter(str(tmp_path / "ours")), None, None)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    for name in ("ours", "dcp"):
+        target = {"a": torch.zeros(6), "b": torch.zeros((2, 3), dtype=torch.int64)}
+        dcp.load(target, checkpoint_id=str(tmp_path / name))
+        assert all(torch.equal(target[key], state[key]) for key in state), name
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "dcp").iterdir())
+
+
+def test_dcp_writer_file_names_and_storage_records_are_the_ones_it_writes(tmp_path: Path) -> None:
+    import types
+
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(tmp_path), thread_count=1)
+    assert _compat.dcp_writes_plain_files(writer)
+    assert not _compat.dcp_writes_plain_files(dcp.FileSystemWriter(str(tmp_path / "x"), single_file_per_rank=False))
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+    (info,) = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data.values()
+    prefix = info.relative_path[: -len("0.distcp")]
+    assert _compat.dcp_data_file_name(types.SimpleNamespace(storage_data=types.SimpleNamespace(prefix=prefix)), 0) == (
+        info.relative_path)
+    ours = _compat.dcp_storage_info(info.relative_path, info.offset, info.length)
+    assert type(ours) is type(info)
+    assert (ours.relative_path, ours.offset, ours.length, ours.transform_descriptors) == (
+        info.relative_path, info.offset, info.length, info.transform_descriptors)
+
+
 def test_crc32_in_torch_save_follows_torch_setting() -> None:
     before = _compat.crc32_in_torch_save()
     torch.serialization.set_crc32_options(not before)

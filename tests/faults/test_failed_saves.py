@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
 from checkpoint_cases import assert_same_state, save_with_failing_rank
@@ -22,6 +23,7 @@ from fault_cases import MODES, tree
 
 from lightning_zero.checkpoint import (
     CheckpointSaveError,
+    FlatShard,
     ZeroCheckpointIO,
     async_save,
     load,
@@ -223,6 +225,29 @@ def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_s
     # The other file stopped at its next write (the one in flight may finish): nothing more of
     # a lost save is written, or uploaded on S3.
     assert FAILED.is_set() and _SlowStream.writes_after_failure <= 1, _SlowStream.writes_after_failure
+
+
+@pytest.mark.parametrize("at_open", [False, True], ids=["mid-write", "at-open"])
+def test_a_full_disk_while_many_small_items_are_written_fails_the_save_and_keeps_the_last_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at_open: bool) -> None:
+    # [Note: many small items]: a rank of many small tensors writes its one data file itself, not through
+    # DCP's writer threads; its failures are kept and raised as theirs are, and the version is given up.
+    def many(value: float) -> dict[str, Any]:
+        return {f"w{i}": FlatShard(torch.full((40,), value), (40,), 0, 1) for i in range(80)}
+
+    path = tmp_path / "last.ckpt"
+    save(many(1.0), str(path), mode="sharded")
+    committed = files(tmp_path)
+    with monkeypatch.context() as patch:
+        fail_one_file(patch, "__0_0.distcp", at_open=at_open)
+        async_save(many(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
+            maybe_finalize_async_calls(blocking=True)
+    assert FAILED.is_set()
+    assert files(tmp_path) == committed
+    target = many(0.0)
+    load(target, str(path))
+    assert all(shard.local.eq(1.0).all() for shard in target.values())
 
 
 def test_a_writer_thread_that_dies_outside_any_stream_fails_the_save(tmp_path: Path,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -16,6 +15,8 @@ from typing import Any
 import torch
 
 from lightning_zero import _compat
+from lightning_zero.checkpoint.dcp import items
+from lightning_zero.checkpoint.dcp.zip_records import directory_digest, item_intact
 from lightning_zero.checkpoint.formats import integrity
 from lightning_zero.checkpoint.runtime.process import gc_paused
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError
@@ -28,7 +29,14 @@ class _ChecksummingStream:
 
     DCP's ``_write_item`` calls ``tell()`` right before and right after each item, so the segments
     between consecutive ``tell()`` calls are exactly the items; their CRCs are kept by start offset.
-    """
+
+    [Note: coalesced item writes] ``torch.save`` hands an item to its stream in about 40 writes (each zip
+    record's header, data and padding), and DCP flushes the stream after every item: for a 16 KB item, 40
+    calls through the file's wrappers and a system call or two. Writes smaller than :data:`_LARGE_WRITE` are
+    gathered here and reach the file in runs of at least that size; ``flush`` (DCP's, after each item) leaves
+    them gathered. Everything gathered reaches the file before ``fileno()`` (the fsync that follows the
+    items: DCP calls it before the stream closes) and before the stream is closed (``finish``), and a
+    failure to write it is this file's failure as any other write's. ``tell()`` counts what was handed in."""
 
     def __init__(self, raw: Any, segments: dict[tuple[int, int], Any] | None, errors: list[BaseException],
                  abort: Callable[[Any], None], own_crc: bool = True) -> None:
@@ -41,38 +49,82 @@ class _ChecksummingStream:
         self._position = 0
         self._crc = 0
         self._tail: list[bytes] = []  # the small writes since the last large one (the zip directory)
+        self._gathered: list[bytes] = []  # small writes not yet in the file ([Note: coalesced item writes])
+        self._gathered_bytes = 0
+        self._closed = False
 
     def write(self, data: Any) -> int:
         if self._errors:  # another file of this save failed: the save is lost, give this one up
             self._abort(self._raw)
             raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
         view = memoryview(data).cast("B")
+        count = len(view)
+        if count < _LARGE_WRITE:
+            small = bytes(view)  # the caller may reuse its buffer once this returns
+            self._gathered.append(small)
+            self._gathered_bytes += count
+            if self._gathered_bytes >= _LARGE_WRITE:
+                self._write_gathered()
+        else:
+            self._write_gathered()
+            self._write_raw(view)
+        if self._segments is not None:  # checksums_disabled(): no segments
+            if self._own_crc:
+                self._crc = zlib.crc32(view, self._crc)
+            elif count >= _LARGE_WRITE:
+                self._tail.clear()
+            else:
+                self._tail.append(small)
+        self._position += count
+        return count
+
+    def _write_raw(self, data: Any) -> None:
         try:
-            written = self._raw.write(view)
+            written = self._raw.write(data)
+            while written is not None and written < len(data):  # a raw stream may take part of it
+                data = memoryview(data)[written:]
+                written = self._raw.write(data)
         except BaseException as exc:
             # torch.save's zip writer swallows this and raises "unexpected pos": keep the real cause.
             self._errors.append(exc)
             raise
-        count = len(view) if written is None else written
-        if self._segments is not None:  # checksums_disabled(): no segments
-            if self._own_crc:
-                self._crc = zlib.crc32(view[:count], self._crc)
-            elif count >= _LARGE_WRITE:
-                self._tail.clear()
-            else:
-                self._tail.append(bytes(view[:count]))
-        self._position += count
-        return count
+
+    def _write_gathered(self) -> None:
+        if self._gathered:
+            run = b"".join(self._gathered)
+            self._gathered.clear()
+            self._gathered_bytes = 0
+            self._write_raw(run)
 
     def tell(self) -> int:
         if self._segments is not None and self._position > self._start:
             self._segments[(self._start, self._position - self._start)] = self._crc if self._own_crc else (
-                _directory_digest(b"".join(self._tail)))
+                directory_digest(b"".join(self._tail)))
         self._start, self._crc = self._position, 0
         self._tail.clear()
         return self._position
 
-    def __getattr__(self, name: str) -> Any:  # flush, fileno (fsync), close, ... of the real stream
+    def flush(self) -> None:
+        """DCP's flush after each item: the gathered writes stay gathered ([Note: coalesced item writes])."""
+
+    def fileno(self) -> int:
+        """The file's descriptor, for the fsync: everything written is in the kernel first."""
+        self.finish()
+        return int(self._raw.fileno())
+
+    def finish(self) -> None:
+        """Everything written through this stream into the file and the file's own buffer flushed."""
+        if not self._closed:
+            self._write_gathered()
+            self._raw.flush()
+
+    def close(self) -> None:
+        """(DCP, after the fsync or in its place) The gathered writes into the file, then the file closed."""
+        self.finish()  # a failure leaves the file open: create_stream gives it up (Store.abort), not close
+        self._closed = True
+        self._raw.close()
+
+    def __getattr__(self, name: str) -> Any:  # the real stream's other methods
         return getattr(self._raw, name)
 
 
@@ -122,8 +174,10 @@ class _ChecksummingFileSystem:
                     segments = self.segments[str(path).replace("\\", "/").rsplit("/", 1)[-1]] = {}
                 try:
                     # torch.save reads the same setting when it writes the item: no record CRCs, then our own.
-                    yield _ChecksummingStream(stream, segments, self.errors, self._abort,
-                                              own_crc=not _compat.crc32_in_torch_save())
+                    checksumming = _ChecksummingStream(stream, segments, self.errors, self._abort,
+                                                       own_crc=not _compat.crc32_in_torch_save())
+                    yield checksumming
+                    checksumming.finish()  # [Note: coalesced item writes]: before the file closes
                 except BaseException:  # the file is lost, whatever failed (a write, the fsync, an item, another
                     self._abort(stream)  # file: SaveAbandoned): its close must not complete an upload
                     raise
@@ -150,6 +204,7 @@ def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.save_id = save_id
+            self._items = items.ItemWriter()
 
         def reset(self, checkpoint_id: Any = None) -> None:
             super().reset(checkpoint_id)
@@ -160,7 +215,13 @@ def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) 
                 self.fs = _ChecksummingFileSystem(self.fs, abort)
             self.fs.keep_errors = True
             try:
-                future = super().write_data(plan, planner)
+                if _compat.dcp_writes_plain_files(self) and items.writes_items_itself(plan):
+                    future = torch.futures.Future()  # [Note: many small items] in dcp/items.py
+                    future.set_result(items.write_items(
+                        lambda name: self.fs.create_stream(self.fs.concat_path(self.path, name), "wb"),
+                        self.sync_files, plan, planner, self._items))
+                else:
+                    future = super().write_data(plan, planner)
             except Exception as exc:
                 if self.fs.errors:  # the storage error torch.save hid behind its own
                     raise self.fs.errors[0] from exc
@@ -199,41 +260,6 @@ def check_every_item_written(items: list[Any], results: list[Any]) -> None:
 
 _LARGE_WRITE = 1 << 16
 """A write at least this large is record data; the zip directory comes in smaller ones, last."""
-
-ZIP_RECORDS = "zip-records"
-"""First element of a ``sharded`` item's checksum when it is the digest of its zip directory."""
-
-
-def _directory_digest(tail: bytes) -> tuple[str, int] | None:
-    """(:data:`ZIP_RECORDS`, CRC32 of the central directory and end records) of the ``torch.save``
-    zip whose end is ``tail`` (``zipfile`` accepts a zip whose beginning is cut off); None if
-    ``tail`` does not hold the whole directory (the writer then refuses to save unchecked)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(tail)) as archive:
-            return ZIP_RECORDS, zlib.crc32(tail[archive.start_dir:])
-    except Exception:  # noqa: BLE001 - whatever zipfile raises: not a directory we can digest
-        return None
-
-
-def _item_intact(data: bytes, expected: Any) -> bool:
-    """Whether a ``sharded`` item's bytes match the checksum ``.metadata`` recorded for it."""
-    if isinstance(expected, tuple) and expected[:1] == (ZIP_RECORDS,):
-        return _zip_item_intact(data, expected[1])
-    return zlib.crc32(data) == expected
-
-
-def _zip_item_intact(data: bytes, digest: int) -> bool:
-    """Whether the directory of the ``torch.save`` zip ``data`` is the one that was written (the
-    writer's :func:`_directory_digest`: every byte of it, so no field torch reads can change) and
-    every record has the CRC32 the directory gives."""
-    if _directory_digest(data) != (ZIP_RECORDS, digest):
-        return False
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            return archive.testzip() is None
-    except Exception:  # noqa: BLE001 - a damaged record, whatever zipfile makes of it
-        return False
-
 
 _METADATA_CLASSES = {
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("collections", "OrderedDict"),
@@ -332,7 +358,7 @@ def verifying_reader(base: type, url: str, require: Callable[[], bool]) -> type:
             if expected is None and require():
                 raise CheckpointCorruptError(f"{name} of checkpoint {url!r} has no checksum in '.metadata'; the"
                                              " metadata was replaced. Resume from another checkpoint.")
-            if not _item_intact(data, expected):
+            if not item_intact(data, expected):
                 raise CheckpointCorruptError(
                     f"Checksum mismatch in {name} of checkpoint {url!r}: its data changed after it was written (a"
                     " damaged disk or transfer). Resume from another checkpoint."

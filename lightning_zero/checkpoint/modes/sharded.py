@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint.dcp import storage as dcp_storage
 from lightning_zero.checkpoint.dcp.adapter import (
     FlatChunk,
@@ -40,6 +41,7 @@ from lightning_zero.checkpoint.formats.tree import (
     walk,
 )
 from lightning_zero.checkpoint.modes.base import CheckpointMode, OpenedCheckpoint, SaveTarget, tensor_bytes
+from lightning_zero.checkpoint.runtime.process import gc_paused
 from lightning_zero.checkpoint.runtime.team import Team, ranks_on_this_node
 from lightning_zero.checkpoint.store import file_io, storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
@@ -56,8 +58,6 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     objects file, which records the save id (``.metadata`` carries it too) and the full shape of
     every tensor (flat shards hide it from DCP's metadata). ``signatures``: every rank's
     :func:`save_signature`, the same list on every rank."""
-    import torch.distributed.checkpoint as dcp
-
     tensors, objects = split_for_dcp(state)
     writer = dcp_storage.writer(loc, version_dir, save_id, tuning)
     # Replicated tensors (buffers, parameters no optimizer holds) are written by the lowest rank
@@ -69,7 +69,8 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     try:
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
-        dcp.save(tensors, storage_writer=writer, planner=planner, process_group=team.group)
+        with gc_paused(tuning.pause_gc):  # [Note: many small items] in dcp/items.py
+            _compat.dcp_save_tensors(tensors, storage_writer=writer, planner=planner, process_group=team.group)
     except BaseException as exc:
         forget_plans(cache_key)  # DCP fails every rank together: all of them plan the next save afresh
         if isinstance(exc, CheckpointException):

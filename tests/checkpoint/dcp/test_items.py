@@ -1,0 +1,169 @@
+"""[Note: many small items]: a rank of many small tensors writes its DCP items itself, from ``torch.save``
+templates, into one file; the items are the bytes ``torch.save`` writes, read back by torch and DCP alike,
+and checked at load as DCP's own items are."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_zero.checkpoint import CheckpointCorruptError, load, save
+from lightning_zero.checkpoint.dcp import zip_records
+from lightning_zero.checkpoint.dcp.items import ItemWriter, _Template
+from lightning_zero.checkpoint.formats.tree import FlatShard
+from lightning_zero.checkpoint.store.tuning import CheckpointTuning
+
+ID_RECORD = ".data/serialization_id"
+
+
+@pytest.fixture(params=[True, False], ids=["record-crcs", "no-record-crcs"])
+def record_crcs(request: pytest.FixtureRequest) -> Iterator[bool]:
+    torch.serialization.set_crc32_options(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def records(blob: bytes) -> dict[str, tuple[bytes, int]]:
+    """Each record's stored bytes (read from its local header on, as no CRC is checked) and its CRC32."""
+    out = {}
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        for info in archive.infolist():
+            header = blob[info.header_offset: info.header_offset + 30]
+            start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(
+                header[28:30], "little")
+            out[info.filename.split("/", 1)[1]] = (blob[start: start + info.file_size], info.CRC)
+    return out
+
+
+def written(tensor: torch.Tensor) -> bytes:
+    stream = io.BytesIO()
+    ItemWriter().write_tensor(stream, tensor)
+    return stream.getvalue()
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(4096, dtype=torch.float32), torch.randn(3, 5).to(torch.bfloat16), torch.arange(7),
+    torch.tensor(2.5), torch.empty(0), torch.tensor([True, False, True]), torch.randn(4, dtype=torch.complex64),
+    torch.arange(100_000, dtype=torch.float16),
+], ids=["fp32", "bf16-2d", "int64", "scalar", "empty", "bool", "complex", "fp16-large"])
+def test_an_item_from_a_template_is_the_zip_torch_save_writes_but_for_its_random_id(
+        tensor: torch.Tensor, record_crcs: bool) -> None:
+    ours = written(tensor)
+    reference = io.BytesIO()
+    torch.save(tensor, reference)
+    theirs = reference.getvalue()
+    assert len(ours) == len(theirs)
+    mine, torch_s = records(ours), records(theirs)
+    assert mine.keys() == torch_s.keys() and ID_RECORD in mine
+    for name in mine.keys() - {ID_RECORD}:
+        assert mine[name] == torch_s[name], name  # the same bytes and the same record CRC32
+    if record_crcs and tensor.numel():
+        with zipfile.ZipFile(io.BytesIO(ours)) as archive:
+            assert archive.testzip() is None
+    loaded = torch.load(io.BytesIO(ours), weights_only=True)
+    assert loaded.dtype == tensor.dtype and loaded.shape == tensor.shape and torch.equal(loaded, tensor)
+    # The checksumming stream finds the directory of such an item by its end records alone.
+    assert zip_records.directory_start(ours) == zipfile.ZipFile(io.BytesIO(ours)).start_dir
+
+
+def test_a_tensor_no_template_describes_is_written_by_torch_save_without_its_storage() -> None:
+    base = torch.arange(64.0).reshape(8, 8)
+    for tensor in (base.t(), base[2:4, 1]):  # not contiguous; a view of part of a storage
+        blob = written(tensor)
+        assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), tensor)
+        assert len(records(blob)["data/0"][0]) == tensor.numel() * 4  # not the 64 elements of its storage
+
+
+def test_a_template_is_made_once_per_dtype_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[Any, ...]] = []
+    original = _Template.__init__
+    monkeypatch.setattr(_Template, "__init__", lambda self, dtype, shape: made.append((dtype, shape)) or original(
+        self, dtype, shape))
+    writer = ItemWriter()
+    for value in range(3):
+        for tensor in (torch.full((5,), float(value)), torch.full((6,), float(value)), torch.full((5,), value)):
+            stream = io.BytesIO()
+            writer.write_tensor(stream, tensor)
+            assert torch.equal(torch.load(io.BytesIO(stream.getvalue()), weights_only=True), tensor)
+    assert made == [(torch.float32, (5,)), (torch.float32, (6,)), (torch.int64, (5,))]
+
+
+def many_small(value: float, count: int = 80) -> dict[str, Any]:
+    """A deep model's shape: more than staging.FLAT_MIN_TENSORS small tensors (flat shards and plain ones)."""
+    tree: dict[str, Any] = {f"w{i}": FlatShard(torch.full((48,), value + i), (6, 8), 0, 1) for i in range(count)}
+    tree["buffer"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: torch.save writes it
+    tree["step"] = torch.tensor(float(value))
+    return tree
+
+
+def zeros_like_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    return {key: FlatShard(torch.zeros_like(leaf.local), leaf.shape, 0, 1) if isinstance(leaf, FlatShard)
+            else torch.zeros_like(leaf) for key, leaf in tree.items()}
+
+
+def version_dir(path: Path) -> Path:
+    (version,) = (path.parent / "_zero_data" / path.name).iterdir()
+    return version
+
+
+def assert_loads_back(path: Path, tree: dict[str, Any]) -> None:
+    target = zeros_like_tree(tree)
+    load(target, str(path))
+    for key, leaf in tree.items():
+        expected = leaf.local if isinstance(leaf, FlatShard) else leaf
+        got = target[key].local if isinstance(leaf, FlatShard) else target[key]
+        assert torch.equal(got, expected), key
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_a_sharded_save_of_many_small_tensors_is_one_file_that_plain_dcp_reads(
+        one_rank: None, tmp_path: Path, fsync: bool) -> None:
+    tree = many_small(1.0)
+    path = tmp_path / "c.ckpt"
+    save(tree, str(path), mode="sharded", tuning=CheckpointTuning(fsync=fsync))
+    assert sorted(p.name for p in version_dir(path).glob("*.distcp")) == ["__0_0.distcp"]
+    assert_loads_back(path, tree)
+    # torch's own reader, no lightning_zero code: the items are ordinary DCP items.
+    full = {key: torch.zeros(leaf.numel) if isinstance(leaf, FlatShard) else torch.zeros_like(leaf)
+            for key, leaf in tree.items()}
+    dcp.load(full, checkpoint_id=str(version_dir(path)), no_dist=True)
+    assert all(torch.equal(full[key], leaf.local if isinstance(leaf, FlatShard) else leaf)
+               for key, leaf in tree.items())
+    checksums = [info.crc32 for info in dcp.FileSystemReader(str(version_dir(path))).read_metadata().storage_data.values()]
+    assert checksums and all(crc[0] == zip_records.ZIP_RECORDS for crc in checksums)  # each item's zip digest
+
+
+def test_a_flipped_byte_in_a_many_small_item_is_refused_naming_the_tensor(one_rank: None, tmp_path: Path) -> None:
+    tree = many_small(1.0)
+    path = tmp_path / "c.ckpt"
+    save(tree, str(path), mode="sharded")
+    reader = dcp.FileSystemReader(str(version_dir(path)))
+    (info,) = [info for index, info in reader.read_metadata().storage_data.items() if index.fqn == "w7"]
+    target = version_dir(path) / info.relative_path
+    data = bytearray(target.read_bytes())
+    item = bytes(data[info.offset: info.offset + info.length])
+    with zipfile.ZipFile(io.BytesIO(item)) as archive:
+        record = archive.getinfo(next(name for name in archive.namelist() if name.endswith("/data/0")))
+    header = item[record.header_offset: record.header_offset + 30]
+    start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    data[info.offset + start + 5] ^= 0xFF
+    target.write_bytes(bytes(data))
+    into = zeros_like_tree(tree)
+    with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in .*tensor 'w7'"):
+        load(into, str(path))
+
+
+def test_a_second_save_of_many_small_tensors_replaces_the_first(one_rank: None, tmp_path: Path) -> None:
+    path = tmp_path / "c.ckpt"
+    save(many_small(1.0), str(path), mode="sharded")
+    save(many_small(5.0), str(path), mode="sharded")
+    assert_loads_back(path, many_small(5.0))
