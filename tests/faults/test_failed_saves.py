@@ -343,7 +343,9 @@ def test_a_failed_data_file_stops_and_aborts_the_others_at_their_next_write(fail
     assert fs.errors[0] is fails_with
     assert uploads.files["failing.distcp"].discarded and uploads.files["failing.distcp"].closed
     assert uploads.files["other.distcp"].discarded and uploads.files["other.distcp"].closed
-    assert bytes(uploads.files["other.distcp"].data) == b"before"
+    # Nothing past the failure reached it (what it had gathered before may not have either: [Note: coalesced item
+    # writes] in dcp/integrity.py); its upload is discarded in any case.
+    assert bytes(uploads.files["other.distcp"].data) in (b"", b"before")
 
 
 def test_a_data_file_that_fails_outside_its_writes_aborts_its_upload() -> None:

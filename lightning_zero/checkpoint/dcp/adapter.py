@@ -79,7 +79,8 @@ class FlatChunk:
 # triggers Python's cyclic collector over and over, and each full collection walks every object
 # made so far: the work grows faster than the object count. None of these objects form cycles
 # that need collecting, so the collector is paused while they are made (`bench/scale.py` measures
-# both). The pause is process-wide, for the seconds the planning takes, once per first save or load.
+# both). The pause is process-wide, for the seconds the planning takes; a `sharded` save keeps it for the
+# whole of DCP's save (modes/sharded.py).
 
 
 class FlatChunkSavePlanner(DefaultSavePlanner):
@@ -103,6 +104,10 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
                 raise ValueError(f"{index.fqn!r}: this rank holds the chunk at {obj.offset}, not {index.offset}")
             return obj.local
         return super().lookup_object(index)
+
+    def create_local_plan(self) -> Any:
+        with gc_paused(self.pause_gc):  # [Note: no collections while planning]
+            return super().create_local_plan()
 
     def create_global_plan(self, all_plans: list[Any]) -> Any:
         with gc_paused(self.pause_gc):  # [Note: no collections while planning]

@@ -53,10 +53,13 @@ class _ChecksummingStream:
         self._gathered_bytes = 0
         self._closed = False
 
-    def write(self, data: Any) -> int:
+    def _stop_if_abandoned(self) -> None:
         if self._errors:  # another file of this save failed: the save is lost, give this one up
             self._abort(self._raw)
             raise SaveAbandoned(f"stopped writing: another file of this save failed first ({self._errors[0]})")
+
+    def write(self, data: Any) -> int:
+        self._stop_if_abandoned()
         view = memoryview(data).cast("B")
         count = len(view)
         if count < _LARGE_WRITE:
@@ -82,6 +85,8 @@ class _ChecksummingStream:
         try:
             written = self._raw.write(data)
             while written is not None and written < len(data):  # a raw stream may take part of it
+                if written <= 0:
+                    raise OSError(f"the checkpoint file took none of the {len(data)} bytes written to it")
                 data = memoryview(data)[written:]
                 written = self._raw.write(data)
         except BaseException as exc:
@@ -113,8 +118,10 @@ class _ChecksummingStream:
         return int(self._raw.fileno())
 
     def finish(self) -> None:
-        """Everything written through this stream into the file and the file's own buffer flushed."""
+        """Everything written through this stream into the file and the file's own buffer flushed; the file
+        given up instead if another file of the save failed (it must not complete, on S3 an upload)."""
         if not self._closed:
+            self._stop_if_abandoned()
             self._write_gathered()
             self._raw.flush()
 
@@ -198,13 +205,13 @@ class _ChecksummingFileSystem:
 def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) -> type:
     """A subclass of DCP writer class ``base`` that records each item's CRC32 in ``.metadata``, and
     our ``save_id`` as DCP's own (``.metadata`` then names the checkpoint it belongs to); a failed file is
-    given up with ``abort(stream)`` (the store's ``Store.abort``)."""
+    given up with ``abort(stream)`` (the store's ``Store.abort``). A rank of many small items is written by
+    :func:`~lightning_zero.checkpoint.dcp.items.write_items`."""
 
     class ChecksummingWriter(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.save_id = save_id
-            self._items = items.ItemWriter()
 
         def reset(self, checkpoint_id: Any = None) -> None:
             super().reset(checkpoint_id)
@@ -219,7 +226,7 @@ def checksumming_writer(base: type, save_id: str, abort: Callable[[Any], None]) 
                     future = torch.futures.Future()  # [Note: many small items] in dcp/items.py
                     future.set_result(items.write_items(
                         lambda name: self.fs.create_stream(self.fs.concat_path(self.path, name), "wb"),
-                        self.sync_files, plan, planner, self._items))
+                        self.sync_files, plan, planner))
                 else:
                     future = super().write_data(plan, planner)
             except Exception as exc:

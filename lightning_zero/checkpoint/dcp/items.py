@@ -11,17 +11,22 @@ Python, not by its bytes. Where a rank's items are many and small (staging's rul
 - each tensor item as the bytes ``torch.save`` writes for it, from a template: ``torch.save`` of a
   tensor of one dtype and shape gives the same zip every time except for the data record, its CRC32
   (when torch writes record CRCs) and the file's random ``serialization_id`` (which ``torch.load``
-  only logs). The template is one ``torch.save`` per dtype and shape; an item is the template with its
-  data and CRC32s put in. ``torch.load`` and DCP's own readers read the item as any other; the
-  ``.metadata`` records are the ones DCP's writer makes. A tensor the template does not describe (not a
-  plain contiguous CPU tensor) is written by ``torch.save`` as DCP would.
+  only logs: items of one template share theirs). The template is one ``torch.save`` per dtype and shape,
+  kept across saves as the zip before and after the data; an item is the head, the tensor's own bytes and
+  the tail, with the CRC32s put in. ``torch.load`` and DCP's own readers read the item as any other; the
+  ``.metadata`` records are the ones DCP's writer makes. A tensor no template describes (not a plain
+  contiguous CPU tensor, or larger than :data:`TEMPLATE_MAX_BYTES`) is written by ``torch.save`` as DCP
+  would, and a plan of many distinct shapes (fewer than :data:`MIN_USES_PER_TEMPLATE` items a template)
+  goes to DCP's writer.
 
-The save also runs with the collector paused and without DCP's walk for ``Stateful`` values
+The save runs with the collector paused (``CheckpointTuning.pause_gc``: each item made dozens of objects, and
+the collections they set off walked the process's whole heap) and skips DCP's walk for ``Stateful`` values
 (``modes/sharded.py``). BENCHMARKS.md ("sharded saves of many small tensors") has the figures.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import struct
@@ -39,100 +44,109 @@ from lightning_zero.checkpoint.runtime.staging import many_small
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
 _CENTRAL_HEADER = struct.Struct("<4s6H3L5H2L")  # a zip central directory entry (46 bytes)
-_MAX_TEMPLATES = 256
+_CRC = struct.Struct("<L")
+TEMPLATE_MAX_BYTES = 1 << 20
+"""A tensor item larger than this is written by ``torch.save`` (its template would cost a tensor's worth of
+zeros to make, for a pickle whose cost is small beside its bytes)."""
+MIN_USES_PER_TEMPLATE = 4
+"""A plan is written here only where its items share templates: at least this many items per distinct dtype and
+shape (a template costs about two ``torch.save`` calls to make)."""
 
 
 def writes_items_itself(plan: Any) -> bool:
-    """Whether :func:`write_items` writes this rank's ``plan`` (DCP's ``SavePlan``): many small tensor
-    items ([Note: many small items]); otherwise DCP's writer does."""
+    """Whether :func:`write_items` writes this rank's ``plan`` (DCP's ``SavePlan``): many small tensor items
+    ([Note: many small items]) of few dtypes and shapes; otherwise DCP's writer does."""
     tensors = [item for item in plan.items if item.tensor_data is not None]
-    return many_small(len(tensors), sum(chunk_bytes(item) for item in tensors))
+    if not many_small(len(tensors), sum(chunk_bytes(item) for item in tensors)):
+        return False
+    kinds = {(item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)) for item in tensors}
+    return len(kinds) * MIN_USES_PER_TEMPLATE <= len(tensors)
 
 
 class _Template:
-    """``torch.save`` of one dtype and shape, with where its data record and that record's CRC32s are."""
+    """``torch.save`` of one dtype and shape, cut around its data record: the zip before the data (``head``)
+    and after it (``tail``), and where the data record's CRC32 sits in each."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         sample = torch.zeros(shape, dtype=dtype)
         buffer = io.BytesIO()
         torch.save(sample, buffer)
-        self.bytes = buffer.getvalue()
-        self.nbytes = sample.numel() * sample.element_size()
-        with zipfile.ZipFile(io.BytesIO(self.bytes)) as archive:
+        blob = buffer.getvalue()
+        nbytes = sample.numel() * sample.element_size()
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             records = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
             if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
                 raise ValueError("torch.save wrote a tensor differently from the zip this template expects")
             record = records[0]
             directory = archive.start_dir
-        local = _LOCAL_HEADER.unpack_from(self.bytes, record.header_offset)
-        self.data_start = record.header_offset + _LOCAL_HEADER.size + local[9] + local[10]
-        self.crc_fields = [record.header_offset + 14, self._central_crc_field(directory, record.filename)]
-        self.with_crcs = record.CRC != 0  # torch wrote record CRCs (a zero tensor's CRC32 is not 0)
+        local = _LOCAL_HEADER.unpack_from(blob, record.header_offset)
+        data_start = record.header_offset + _LOCAL_HEADER.size + local[9] + local[10]
+        self.head = blob[:data_start]
+        self.tail = blob[data_start + nbytes:]
+        self.head_crc = record.header_offset + 14
+        self.tail_crc = _central_crc_field(blob, directory, record.filename) - data_start - nbytes
 
-    def _central_crc_field(self, offset: int, name: str) -> int:
-        while self.bytes[offset:offset + 4] == b"PK\x01\x02":
-            entry = _CENTRAL_HEADER.unpack_from(self.bytes, offset)
-            name_length, extra_length, comment_length = entry[10], entry[11], entry[12]
-            start = offset + _CENTRAL_HEADER.size
-            if self.bytes[start:start + name_length].decode() == name:
-                return offset + 16
-            offset = start + name_length + extra_length + comment_length
-        raise ValueError(f"torch.save's zip has no directory entry for {name!r}")
-
-    def fill(self, tensor: Tensor) -> tuple[memoryview, memoryview]:
-        """(the zip up to the end of the data record, the rest) for ``tensor``: two writes, so the
-        checksumming stream finds the zip directory in the second ([Note: coalesced item writes])."""
-        out = bytearray(self.bytes)
-        data_end = self.data_start + self.nbytes
-        if self.nbytes:
-            target = torch.frombuffer(out, dtype=torch.uint8, count=self.nbytes, offset=self.data_start)
-            target.copy_(tensor.reshape(-1).view(torch.uint8))
-            if self.with_crcs:
-                crc = zlib.crc32(memoryview(out)[self.data_start:data_end])
-                for field in self.crc_fields:
-                    struct.pack_into("<L", out, field, crc)
-        view = memoryview(out)
-        return view[:data_end], view[data_end:]
+    def parts(self, data: memoryview, with_crcs: bool) -> tuple[bytes | bytearray, bytes | bytearray]:
+        """(head, tail) of the zip for ``data``: with its CRC32 put in where torch writes record CRCs."""
+        if not with_crcs or not len(data):
+            return self.head, self.tail
+        crc = zlib.crc32(data)
+        head, tail = bytearray(self.head), bytearray(self.tail)
+        _CRC.pack_into(head, self.head_crc, crc)
+        _CRC.pack_into(tail, self.tail_crc, crc)
+        return head, tail
 
 
-class ItemWriter:
-    """The templates of one writer ([Note: many small items]), by dtype, shape and torch's save settings."""
+def _central_crc_field(blob: bytes, offset: int, name: str) -> int:
+    """Offset in ``blob`` of the CRC32 field of the central directory entry of record ``name``."""
+    while blob[offset:offset + 4] == b"PK\x01\x02":
+        entry = _CENTRAL_HEADER.unpack_from(blob, offset)
+        name_length, extra_length, comment_length = entry[10], entry[11], entry[12]
+        start = offset + _CENTRAL_HEADER.size
+        if blob[start:start + name_length].decode() == name:
+            return offset + 16
+        offset = start + name_length + extra_length + comment_length
+    raise ValueError(f"torch.save's zip has no directory entry for {name!r}")
 
-    def __init__(self) -> None:
-        self._templates: dict[tuple[Any, ...], _Template] = {}
 
-    def write_tensor(self, stream: Any, tensor: Tensor) -> None:
-        tensor = tensor.detach()
-        if not _plain(tensor):
-            if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                tensor = tensor.clone()  # as DCP's loader does: a view would save its whole storage
-            torch.save(tensor, stream)
-            return
-        key = (tensor.dtype, tuple(tensor.shape), _compat.crc32_in_torch_save(), _compat.storage_alignment())
-        template = self._templates.get(key)
-        if template is None:
-            if len(self._templates) >= _MAX_TEMPLATES:
-                self._templates.clear()
-            template = self._templates[key] = _Template(tensor.dtype, tuple(tensor.shape))
-        head, rest = template.fill(tensor)
-        stream.write(head)
-        stream.write(rest)
+@functools.lru_cache(maxsize=1024)
+def _template(dtype: torch.dtype, shape: tuple[int, ...], with_crcs: bool, alignment: int) -> _Template:
+    """The template of ``dtype`` and ``shape`` under torch's save settings (``with_crcs``, ``alignment``: the
+    calling thread's, which the ``torch.save`` here reads too); kept across saves (a head and tail each, about
+    1 KB)."""
+    return _Template(dtype, shape)
+
+
+def write_tensor(stream: Any, tensor: Tensor, with_crcs: bool, alignment: int) -> None:
+    """Write ``tensor`` as ``torch.save`` would into ``stream``: the template's head, the tensor's own bytes, the
+    tail; by ``torch.save`` itself where no template describes it ([Note: many small items])."""
+    tensor = tensor.detach()
+    if not _plain(tensor):
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # as DCP's loader does: a view would save its whole storage
+        torch.save(tensor, stream)
+        return
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    head, tail = _template(tensor.dtype, tuple(tensor.shape), with_crcs, alignment).parts(data, with_crcs)
+    stream.write(head)
+    stream.write(data)
+    stream.write(tail)  # the zip directory, in a write of its own ([Note: coalesced item writes] in integrity.py)
 
 
 def _plain(tensor: Tensor) -> bool:
     return (type(tensor) is Tensor and tensor.device.type == "cpu" and tensor.layout == torch.strided
             and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
-            and not tensor.is_quantized)
+            and not tensor.is_quantized and tensor.numel() * tensor.element_size() <= TEMPLATE_MAX_BYTES)
 
 
-def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any, planner: Any,
-                items: ItemWriter) -> list[Any]:
+def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any, planner: Any) -> list[Any]:
     """(each rank) Write ``plan``'s items into one data file, opened by ``create_stream(name)`` (the
     checksumming file system's, of a DCP file-system writer), in DCP's order (bytes first), and return DCP's
     ``WriteResult`` s; ``sync_files``: fsync it, as DCP's writer does."""
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
+    with_crcs, alignment = _compat.crc32_in_torch_save(), _compat.storage_alignment()
     file_name = _compat.dcp_data_file_name(plan, 0)
     ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
     results = []
@@ -143,7 +157,7 @@ def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
             else:
-                items.write_tensor(stream, data.cpu() if data.device.type != "cpu" else data)
+                write_tensor(stream, data.cpu() if data.device.type != "cpu" else data, with_crcs, alignment)
             length = stream.tell() - offset
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_compat.dcp_storage_info(file_name, offset, length)))

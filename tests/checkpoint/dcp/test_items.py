@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_zero import _compat
 from lightning_zero.checkpoint import CheckpointCorruptError, load, save
-from lightning_zero.checkpoint.dcp import zip_records
-from lightning_zero.checkpoint.dcp.items import ItemWriter, _Template
+from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
+from lightning_zero.checkpoint.dcp import items, zip_records
 from lightning_zero.checkpoint.formats.tree import FlatShard
 from lightning_zero.checkpoint.store.tuning import CheckpointTuning
 
@@ -46,7 +47,7 @@ def records(blob: bytes) -> dict[str, tuple[bytes, int]]:
 
 def written(tensor: torch.Tensor) -> bytes:
     stream = io.BytesIO()
-    ItemWriter().write_tensor(stream, tensor)
+    items.write_tensor(stream, tensor, _compat.crc32_in_torch_save(), _compat.storage_alignment())
     return stream.getvalue()
 
 
@@ -75,26 +76,53 @@ def test_an_item_from_a_template_is_the_zip_torch_save_writes_but_for_its_random
     assert zip_records.directory_start(ours) == zipfile.ZipFile(io.BytesIO(ours)).start_dir
 
 
-def test_a_tensor_no_template_describes_is_written_by_torch_save_without_its_storage() -> None:
+def test_a_view_of_part_of_a_storage_is_written_without_the_rest_of_it() -> None:
     base = torch.arange(64.0).reshape(8, 8)
-    for tensor in (base.t(), base[2:4, 1]):  # not contiguous; a view of part of a storage
+    for tensor in (base.t(), base[2:4, 1], base[3]):  # not contiguous; views of part of a storage
         blob = written(tensor)
         assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), tensor)
         assert len(records(blob)["data/0"][0]) == tensor.numel() * 4  # not the 64 elements of its storage
 
 
-def test_a_template_is_made_once_per_dtype_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def templates_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
     made: list[tuple[Any, ...]] = []
-    original = _Template.__init__
-    monkeypatch.setattr(_Template, "__init__", lambda self, dtype, shape: made.append((dtype, shape)) or original(
-        self, dtype, shape))
-    writer = ItemWriter()
+    original = items._Template.__init__
+    monkeypatch.setattr(items._Template, "__init__",
+                        lambda self, dtype, shape: made.append((dtype, shape)) or original(self, dtype, shape))
+    items._template.cache_clear()
+    yield made
+    items._template.cache_clear()
+
+
+def test_a_template_is_made_once_per_dtype_and_shape(templates_made: list[tuple[Any, ...]]) -> None:
     for value in range(3):
         for tensor in (torch.full((5,), float(value)), torch.full((6,), float(value)), torch.full((5,), value)):
-            stream = io.BytesIO()
-            writer.write_tensor(stream, tensor)
-            assert torch.equal(torch.load(io.BytesIO(stream.getvalue()), weights_only=True), tensor)
-    assert made == [(torch.float32, (5,)), (torch.float32, (6,)), (torch.int64, (5,))]
+            assert torch.equal(torch.load(io.BytesIO(written(tensor)), weights_only=True), tensor)
+    assert templates_made == [(torch.float32, (5,)), (torch.float32, (6,)), (torch.int64, (5,))]
+
+
+def test_a_large_tensor_is_written_by_torch_save_and_makes_no_template(templates_made: list[tuple[Any, ...]]) -> None:
+    # A template of a large tensor would cost its size in zeros to make, and it would be used once.
+    tensor = torch.arange(items.TEMPLATE_MAX_BYTES // 4 + 1, dtype=torch.float32)
+    assert torch.equal(torch.load(io.BytesIO(written(tensor)), weights_only=True), tensor)
+    assert templates_made == []
+
+
+def plan_of(shapes: list[tuple[int, ...]]) -> Any:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    return SavePlan([WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR, tensor_data=TensorWriteData(
+        chunk=ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape)),
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape))) for i, shape in enumerate(shapes)])
+
+
+def test_only_a_plan_of_many_small_items_of_few_shapes_is_written_here() -> None:
+    assert items.writes_items_itself(plan_of([(64, 64), (64,)] * 100))
+    assert not items.writes_items_itself(plan_of([(64,)] * 10))  # few items: DCP's threads
+    assert not items.writes_items_itself(plan_of([(1024, 1024)] * 100))  # large ones: DCP's threads
+    assert not items.writes_items_itself(plan_of([(i + 1,) for i in range(200)]))  # a template per item
 
 
 def many_small(value: float, count: int = 80) -> dict[str, Any]:
@@ -140,6 +168,28 @@ def test_a_sharded_save_of_many_small_tensors_is_one_file_that_plain_dcp_reads(
                for key, leaf in tree.items())
     checksums = [info.crc32 for info in dcp.FileSystemReader(str(version_dir(path))).read_metadata().storage_data.values()]
     assert checksums and all(crc[0] == zip_records.ZIP_RECORDS for crc in checksums)  # each item's zip digest
+
+
+def test_items_larger_than_a_write_run_are_checksummed_with_and_without_record_crcs(
+        tmp_path: Path, record_crcs: bool) -> None:
+    # Items of more than 64 KiB reach the file in writes of their own ([Note: coalesced item writes]); torch's
+    # record CRCs are a setting of the thread that saves, so DCP's writer runs on this one here.
+    import zlib
+
+    state = {f"w{i}": torch.full((20_000,), float(i)) for i in range(70)}
+    writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, "save-1", lambda stream: None)(
+        str(tmp_path), sync_files=False)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert sorted(p.name for p in tmp_path.glob("*.distcp")) == ["__0_0.distcp"]  # written by items.write_items
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    for info in dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data.values():
+        item = data[info.offset: info.offset + info.length]
+        expected = zip_records.directory_digest(item) if record_crcs else zlib.crc32(item)
+        assert info.crc32 == expected
+        assert zip_records.item_intact(item, info.crc32)
+    loaded = {key: torch.zeros(20_000) for key in state}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    assert all(torch.equal(loaded[key], state[key]) for key in state)
 
 
 def test_a_flipped_byte_in_a_many_small_item_is_refused_naming_the_tensor(one_rank: None, tmp_path: Path) -> None:
