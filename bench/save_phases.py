@@ -7,7 +7,8 @@ tensors with the masters, moments and steps (the `deep` model of ``trainer_check
 Background phases of a staged tree (the path of trees that are not many small CPU tensors, and of every local
 save before [Note: pack plans]): staging copy, pack, integrity header, ``torch.save`` + write + fsync, and
 ``write_local``; of a pack plan (a local save of many small CPU tensors now): the plan (training thread), the
-copy, the header and ``write_local``; training-thread phases: ``zero_state_dict`` and ``adopt_module_writes``.
+copy, the header and ``write_local``; a whole synchronous ``sharded`` save (wall time: it runs on the save's
+thread); training-thread phases: ``zero_state_dict`` and ``adopt_module_writes``.
 
     .venv/bin/python bench/save_phases.py [--width 64] [--depth 400] [--repeats 5]
 """
@@ -29,7 +30,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_zero import ZeroConfig, ZeroEngine  # noqa: E402
-from lightning_zero.checkpoint import zero_state_dict  # noqa: E402
+from lightning_zero.checkpoint import save, zero_state_dict  # noqa: E402
 from lightning_zero.checkpoint.formats import integrity, packed  # noqa: E402
 from lightning_zero.checkpoint.modes import local  # noqa: E402
 from lightning_zero.checkpoint.runtime.staging import Stager  # noqa: E402
@@ -88,6 +89,14 @@ def main() -> None:
             filled.content, "x", 0, 1, chunked=(packed.PACKED_KEY,), leaves=filled.checked), n)[0]))
         rows.append(("plan: write_local (header + save)",
                      cpu_ms(lambda: local.write_local(filled, loc, f"{root}/w", 0, 1, "x"), n)[0]))
+    # A synchronous `sharded` save of the same tree, whole (DCP's planning, the items, `.metadata`, the objects file
+    # and the marker), on the save's own thread: its wall time, best of n ([Note: many small items] in dcp/items.py).
+    walls = []
+    for index in range(n):
+        start = time.perf_counter()
+        save(tree, f"{root}/sharded-{index}", mode="sharded")
+        walls.append(time.perf_counter() - start)
+    rows.append(("[wall, not CPU] synchronous sharded save", 1e3 * min(walls)))
     meta = zero_state_dict(engine, model)["meta"]  # computed once at setup by the strategy, passed to every save
     rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model, meta=meta), n)[0]))
     rows.append(("[training thread] adopt_module_writes", cpu_ms(engine.adopt_module_writes, n)[0]))
