@@ -42,7 +42,6 @@ class TrainerReplicaGroups:
         self.trainer = trainer
         self.group_rank, self.group_size = group_rank, group_size
         self.groups = ReplicaGroups(config, group_rank, group_size, device)
-        self.groups.quorum_after_commit = True  # before_batch releases the state ([Note: the quorum after the commit])
         self._undo_schedulers: list[tuple[Any, dict[str, Any]]] = []
         self._undo_hyper: list[dict[str, Any]] | None = None
         self._engine: ZeroEngine | None = None
@@ -63,12 +62,10 @@ class TrainerReplicaGroups:
 
     def before_batch(self) -> None:
         """``on_train_batch_start``: the epoch's end where its order ends, a discarded step's scheduler steps
-        undone, the state a heal carries readable again, and this step's quorum asked for unless the last commit
-        already did ([Note: the quorum after the commit] in engine/fault_tolerance.py)."""
+        undone, and this step's quorum asked for (the lighthouse answers while the forward runs)."""
         if any(sampler.last_batch_drawn for sampler in replica_group_samplers(self.trainer)):
             _compat.mark_last_batch(self.trainer, True)  # the epoch's order ends with this batch, if it commits
         self._undo_scheduler_steps()
-        self.groups.release_state()
         self.groups.start_step()
 
     def data_split(self) -> tuple[int, int]:

@@ -8,8 +8,7 @@ is applied only when the Manager says every participant's reduction succeeded.
 [Note: one step across groups] Per optimizer step, on every rank of every group:
 
 1. :meth:`ReplicaGroups.start_step` starts the quorum (the strategy calls it before the forward, so
-   the lighthouse's answer overlaps it; otherwise the first reduction starts it); under the Trainer it is
-   started right after the previous step commits ([Note: the quorum after the commit]);
+   the lighthouse's answer overlaps it; otherwise the first reduction starts it);
 2. the first reduction of the backward waits for the quorum and sets each bucket's divisor to
    ``K * participants`` (:meth:`ReplicaGroups.before_reduction`): a healing group is not a
    participant (torchft zeroes its contribution);
@@ -185,11 +184,6 @@ class ReplicaGroups:
         self._joined_by_heal: bool | None = None  # join's heal: loaded (True) or failed (False); None: none
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
-        self.quorum_after_commit = False
-        """Start the next step's quorum right after a step commits, the state held from heals until
-        :meth:`release_state` ([Note: the quorum after the commit]); a front end that calls that before each step
-        sets it."""
-        self._state_held = False
         self.data_quorum: DataQuorum | None = None
         """The quorum of the last decided step: how the next step's batches are split ([Note: data quorum])."""
         self.register_state("replica_groups", self.state, self.load_state)
@@ -242,29 +236,6 @@ class ReplicaGroups:
             self._step_before_quorum = self.manager.current_step()  # [Note: a heal counts with its step]
             with self._quorum_errors():  # it first waits for the last quorum's end
                 self.manager.start_quorum()
-
-    def release_state(self) -> None:
-        """Before a step's batch (the front end's hook): the state a heal carries may be read from here on
-        ([Note: the quorum after the commit]); the step's own time is counted from here."""
-        if self._state_held:
-            self._state_held = False
-            self.manager.allow_state_dict_read()
-            self._started_at = time.perf_counter()
-
-    def _start_next_quorum(self) -> None:
-        """[Note: the quorum after the commit] torchft's quorum for a step is a round trip from every rank to its
-        group's manager server, the lighthouse and back, and the reconfiguration of the cross-group process group:
-        4-8 ms here, waited for at the step's first reduction. Started before the forward (:meth:`start_step`), a
-        short forward does not hide it. Started right after the previous step commits, it overlaps that step's
-        update and everything the loop does between steps. Its heals must not read the state before the update has
-        made it and the loop has moved its counters, so the state is held from heals (torchft's
-        ``disallow_state_dict_read``: a heal's read of it waits) until :meth:`release_state`, where the quorum used
-        to start: a heal carries the same state as before. A heal that waits longer than ``timeout_s`` (a
-        validation run or a synchronous save between the steps) fails, and the step with it; the next quorum heals
-        again. Only after a commit: a discarded step waits for its next quorum at once ([Note: data quorum])."""
-        self.manager.disallow_state_dict_read()
-        self._state_held = True
-        self.start_step()
 
     def state(self) -> dict[str, Any]:
         """What a heal carries of this object: the quorum the next batches are split by."""
@@ -403,8 +374,6 @@ class ReplicaGroups:
         self._reducing = False
         if committed:
             self.data_quorum = quorum
-            if self.quorum_after_commit:
-                self._start_next_quorum()
         else:
             # The groups may have changed (a group lost fails the step): the next batches are split by the next
             # quorum, asked for now, once, as at the start of any step (the next step does not ask again).
@@ -470,7 +439,6 @@ class ReplicaGroups:
             ) from exc
 
     def close(self) -> None:
-        self.release_state()  # a heal's read waiting on it (the last step's next quorum) fails now, not at its timeout
         self.manager.shutdown(wait=False)
 
 
