@@ -9,7 +9,7 @@ import errno
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,22 @@ def test_a_full_disk_under_one_writer_thread_fails_the_save_after_every_thread_s
     assert FAILED.is_set() and _SlowStream.writes_after_failure <= 1, _SlowStream.writes_after_failure
 
 
+def second_save_meets_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  tree_of: Callable[[float], dict[str, Any]], failing: str, at_open: bool) -> Path:
+    """A `sharded` save of ``tree_of(1.0)``, then one of ``tree_of(2.0)`` whose file ``failing`` meets a full disk:
+    the second fails naming the checkpoint and the disk, and leaves the files of the first as they were."""
+    path = tmp_path / "last.ckpt"
+    save(tree_of(1.0), str(path), mode="sharded")
+    committed = files(tmp_path)
+    with monkeypatch.context() as patch:
+        fail_one_file(patch, failing, at_open=at_open)
+        async_save(tree_of(2.0), str(path), mode="sharded")
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
+            maybe_finalize_async_calls(blocking=True)
+    assert files(tmp_path) == committed
+    return path
+
+
 @pytest.mark.parametrize("at_open", [False, True], ids=["mid-write", "at-open"])
 def test_a_full_disk_while_many_small_items_are_written_fails_the_save_and_keeps_the_last_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at_open: bool) -> None:
@@ -235,16 +251,8 @@ def test_a_full_disk_while_many_small_items_are_written_fails_the_save_and_keeps
     def many(value: float) -> dict[str, Any]:
         return {f"w{i}": FlatShard(torch.full((40,), value), (40,), 0, 1) for i in range(80)}
 
-    path = tmp_path / "last.ckpt"
-    save(many(1.0), str(path), mode="sharded")
-    committed = files(tmp_path)
-    with monkeypatch.context() as patch:
-        fail_one_file(patch, "__0_0.distcp", at_open=at_open)
-        async_save(many(2.0), str(path), mode="sharded")
-        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
-            maybe_finalize_async_calls(blocking=True)
+    path = second_save_meets_a_full_disk(tmp_path, monkeypatch, many, "__0_0.distcp", at_open)
     assert FAILED.is_set()
-    assert files(tmp_path) == committed
     target = many(0.0)
     load(target, str(path))
     assert all(shard.local.eq(1.0).all() for shard in target.values())
@@ -281,16 +289,8 @@ def test_a_full_disk_while_dcp_writes_its_metadata_fails_the_save(tmp_path: Path
                                                                    at_open: bool) -> None:
     # .metadata is written after the data files, through the same file system: its failure must
     # fail the save, not be kept like a data file's and committed.
-    path = tmp_path / "last.ckpt"
-    save(tree(1.0), str(path), mode="sharded")
-    committed = files(tmp_path)
-    with monkeypatch.context() as patch:
-        fail_one_file(patch, ".metadata.tmp", at_open=at_open)
-        async_save(tree(2.0), str(path), mode="sharded")
-        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(repr(str(path)))}.*{DISK_FULL}"):
-            maybe_finalize_async_calls(blocking=True)
+    path = second_save_meets_a_full_disk(tmp_path, monkeypatch, tree, ".metadata.tmp", at_open)
     assert loaded_value(path) == 1.0
-    assert files(tmp_path) == committed
 
 
 class _Upload:
