@@ -71,8 +71,8 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
         # The collector paused for the whole of DCP's save, not only its planning: its plans, write results and
         # .metadata are thousands of objects for a rank of many small items, and a full collection set off among
-        # them walks the process's heap (0.3 s of a 0.8 s save, BENCHMARKS.md). The pause lasts as long as the
-        # save's collectives: a peer that hangs one holds it until the process group's timeout.
+        # them walks the process's heap ([Note: many small items] in dcp/items.py). The pause lasts as long as
+        # the save's collectives: a peer that hangs one holds it until the process group's timeout.
         with gc_paused(tuning.pause_gc):
             _compat.dcp_save_tensors(tensors, storage_writer=writer, planner=planner, process_group=team.group)
     except BaseException as exc:
