@@ -154,14 +154,15 @@ def storage_alignment() -> int:
 def dcp_writes_plain_files(writer: Any) -> bool:
     """Whether DCP file-system writer ``writer`` writes one data file per rank of ``torch.save`` items with no
     stream transforms (``_FileSystemWriter.single_file_per_rank``, ``.transforms.extensions`` and
-    ``.serialization_format``, torch 2.6 and later): the files :mod:`~lightning_zero.checkpoint.dcp.items`
+    ``.serialization_format`` where the version has one, torch 2.6 and later): the files :mod:`~lightning_zero.checkpoint.dcp.items`
     writes in its place."""
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from torch.distributed.checkpoint import filesystem
 
     transforms = getattr(writer, "transforms", None)
+    torch_save = getattr(getattr(filesystem, "SerializationFormat", None), "TORCH_SAVE", None)
     return (bool(getattr(writer, "single_file_per_rank", False)) and transforms is not None
             and not tuple(getattr(transforms, "extensions", (None,)))
-            and getattr(writer, "serialization_format", SerializationFormat.TORCH_SAVE) == SerializationFormat.TORCH_SAVE)
+            and getattr(writer, "serialization_format", torch_save) == torch_save)
 
 
 def dcp_data_file_name(plan: Any, index: int) -> str:

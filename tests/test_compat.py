@@ -147,6 +147,10 @@ def test_dcp_writer_file_names_and_storage_records_are_the_ones_it_writes(tmp_pa
     writer = dcp.FileSystemWriter(str(tmp_path), thread_count=1)
     assert _compat.dcp_writes_plain_files(writer)
     assert not _compat.dcp_writes_plain_files(dcp.FileSystemWriter(str(tmp_path / "x"), single_file_per_rank=False))
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    assert not _compat.dcp_writes_plain_files(dcp.FileSystemWriter(
+        str(tmp_path / "y"), serialization_format=SerializationFormat.SAFETENSORS))
     dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
     (info,) = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data.values()
     prefix = info.relative_path[: -len("0.distcp")]
