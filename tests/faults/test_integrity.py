@@ -128,6 +128,20 @@ def test_a_changed_zip_directory_of_a_sharded_item_is_refused(tmp_path: Path, fi
     assert into["w"].local.eq(0.0).all()
 
 
+def test_a_flipped_byte_in_an_item_of_many_small_tensors_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    # [Note: many small items]: such a rank writes its items itself, into one file; they are checked as DCP's are.
+    tree = {f"w{i}": FlatShard(torch.full((48,), float(i)), (6, 8), 0, 1) for i in range(80)}
+    path = tmp_path / "sharded.ckpt"
+    save(tree, str(path), mode="sharded")
+    assert len(list(version_dir(path).glob("*.distcp"))) == 1  # written by dcp/items.py, not DCP's two threads
+    target, info = sharded_item(path, "w7")
+    flip_byte(target, info.offset, info.offset + info.length)
+    into = {key: FlatShard(torch.zeros(48), (6, 8), 0, 1) for key in tree}
+    with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in .*tensor 'w7'"):
+        load(into, str(path))
+    assert all(shard.local.eq(0.0).all() for shard in into.values())
+
+
 def test_without_torch_record_crcs_the_writer_checksums_every_byte_itself(tmp_path: Path) -> None:
     """torch's record CRCs can be switched off (per thread; DCP writes on the calling thread here):
     the writer then stores the CRC32 of each item's bytes, which readers check instead."""

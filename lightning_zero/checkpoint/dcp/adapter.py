@@ -105,10 +105,6 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
             return obj.local
         return super().lookup_object(index)
 
-    def create_local_plan(self) -> Any:
-        with gc_paused(self.pause_gc):  # [Note: no collections while planning]
-            return super().create_local_plan()
-
     def create_global_plan(self, all_plans: list[Any]) -> Any:
         with gc_paused(self.pause_gc):  # [Note: no collections while planning]
             return super().create_global_plan(all_plans)

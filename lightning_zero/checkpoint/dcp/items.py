@@ -67,7 +67,8 @@ class _Template:
     """``torch.save`` of one dtype and shape, cut around its data record: the zip before the data (``head``)
     and after it (``tail``), and where the data record's CRC32 sits in each."""
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], with_crcs: bool) -> None:
+        self.with_crcs = with_crcs  # the thread's torch.save setting, which the torch.save below follows too
         sample = torch.zeros(shape, dtype=dtype)
         buffer = io.BytesIO()
         torch.save(sample, buffer)
@@ -86,9 +87,9 @@ class _Template:
         self.head_crc = record.header_offset + 14
         self.tail_crc = _central_crc_field(blob, directory, record.filename) - data_start - nbytes
 
-    def parts(self, data: memoryview, with_crcs: bool) -> tuple[bytes | bytearray, bytes | bytearray]:
+    def parts(self, data: memoryview) -> tuple[bytes | bytearray, bytes | bytearray]:
         """(head, tail) of the zip for ``data``: with its CRC32 put in where torch writes record CRCs."""
-        if not with_crcs or not len(data):
+        if not self.with_crcs or not len(data):
             return self.head, self.tail
         crc = zlib.crc32(data)
         head, tail = bytearray(self.head), bytearray(self.tail)
@@ -114,7 +115,7 @@ def _template(dtype: torch.dtype, shape: tuple[int, ...], with_crcs: bool, align
     """The template of ``dtype`` and ``shape`` under torch's save settings (``with_crcs``, ``alignment``: the
     calling thread's, which the ``torch.save`` here reads too); kept across saves (a head and tail each, about
     1 KB)."""
-    return _Template(dtype, shape)
+    return _Template(dtype, shape, with_crcs)
 
 
 def write_tensor(stream: Any, tensor: Tensor, with_crcs: bool, alignment: int) -> None:
@@ -127,7 +128,7 @@ def write_tensor(stream: Any, tensor: Tensor, with_crcs: bool, alignment: int) -
         torch.save(tensor, stream)
         return
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-    head, tail = _template(tensor.dtype, tuple(tensor.shape), with_crcs, alignment).parts(data, with_crcs)
+    head, tail = _template(tensor.dtype, tuple(tensor.shape), with_crcs, alignment).parts(data)
     stream.write(head)
     stream.write(data)
     stream.write(tail)  # the zip directory, in a write of its own ([Note: coalesced item writes] in integrity.py)
@@ -157,7 +158,7 @@ def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
             else:
-                write_tensor(stream, data.cpu() if data.device.type != "cpu" else data, with_crcs, alignment)
+                write_tensor(stream, data.cpu(), with_crcs, alignment)
             length = stream.tell() - offset
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_compat.dcp_storage_info(file_name, offset, length)))

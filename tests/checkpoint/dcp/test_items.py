@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero import _compat
-from lightning_zero.checkpoint import CheckpointCorruptError, load, save
+from lightning_zero.checkpoint import load, save
 from lightning_zero.checkpoint.dcp import integrity as dcp_integrity
 from lightning_zero.checkpoint.dcp import items, zip_records
 from lightning_zero.checkpoint.formats.tree import FlatShard
@@ -88,8 +88,8 @@ def test_a_view_of_part_of_a_storage_is_written_without_the_rest_of_it() -> None
 def templates_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
     made: list[tuple[Any, ...]] = []
     original = items._Template.__init__
-    monkeypatch.setattr(items._Template, "__init__",
-                        lambda self, dtype, shape: made.append((dtype, shape)) or original(self, dtype, shape))
+    monkeypatch.setattr(items._Template, "__init__", lambda self, dtype, shape, with_crcs: made.append(
+        (dtype, shape)) or original(self, dtype, shape, with_crcs))
     items._template.cache_clear()
     yield made
     items._template.cache_clear()
@@ -190,26 +190,6 @@ def test_items_larger_than_a_write_run_are_checksummed_with_and_without_record_c
     loaded = {key: torch.zeros(20_000) for key in state}
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[key], state[key]) for key in state)
-
-
-def test_a_flipped_byte_in_a_many_small_item_is_refused_naming_the_tensor(one_rank: None, tmp_path: Path) -> None:
-    tree = many_small(1.0)
-    path = tmp_path / "c.ckpt"
-    save(tree, str(path), mode="sharded")
-    reader = dcp.FileSystemReader(str(version_dir(path)))
-    (info,) = [info for index, info in reader.read_metadata().storage_data.items() if index.fqn == "w7"]
-    target = version_dir(path) / info.relative_path
-    data = bytearray(target.read_bytes())
-    item = bytes(data[info.offset: info.offset + info.length])
-    with zipfile.ZipFile(io.BytesIO(item)) as archive:
-        record = archive.getinfo(next(name for name in archive.namelist() if name.endswith("/data/0")))
-    header = item[record.header_offset: record.header_offset + 30]
-    start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
-    data[info.offset + start + 5] ^= 0xFF
-    target.write_bytes(bytes(data))
-    into = zeros_like_tree(tree)
-    with pytest.raises(CheckpointCorruptError, match=r"Checksum mismatch in .*tensor 'w7'"):
-        load(into, str(path))
 
 
 def test_a_second_save_of_many_small_tensors_replaces_the_first(one_rank: None, tmp_path: Path) -> None:
