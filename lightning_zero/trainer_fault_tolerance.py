@@ -40,7 +40,6 @@ class TrainerReplicaGroups:
                     " number changes with the replica groups taking part (each step takes participants x ranks x"
                     f" batch samples of the epoch): give `{given}` as a whole number of batches instead.")
         self.trainer = trainer
-        self.group_rank, self.group_size = group_rank, group_size
         self.groups = ReplicaGroups(config, group_rank, group_size, device)
         self._undo_schedulers: list[tuple[Any, dict[str, Any]]] = []
         self._undo_hyper: list[dict[str, Any]] | None = None
@@ -69,12 +68,8 @@ class TrainerReplicaGroups:
         self.groups.start_step()
 
     def data_split(self) -> tuple[int, int]:
-        """(ranks, rank) of the next batch across the replica groups ([Note: every sample once across replica
-        groups] in data.py): the last decided quorum's groups times this group's ranks, and this rank's place."""
-        quorum = self.groups.data_quorum
-        if quorum is None:
-            return self.group_size, self.group_rank
-        return quorum.participants * self.group_size, (quorum.place or 0) * self.group_size + self.group_rank
+        """(ranks, rank) of the next batch across the replica groups (``ReplicaGroups.data_split``)."""
+        return self.groups.data_split()
 
     def writes_checkpoints(self) -> bool:
         return self.groups.writes_checkpoints()

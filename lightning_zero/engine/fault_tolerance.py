@@ -158,7 +158,7 @@ class ReplicaGroups:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.config = config
-        self.group_size = group_size
+        self.group_rank, self.group_size = group_rank, group_size
         timeout = timedelta(seconds=config.timeout_s)
         # On GPUs the cross-group reduction runs on NCCL (gloo would stage every byte through the host).
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -417,6 +417,14 @@ class ReplicaGroups:
         if self.config.heals != heals:
             optimizer.gather_params(all_buckets=True)
         return False
+
+    def data_split(self) -> tuple[int, int]:
+        """(ranks, rank) of the next batch across the replica groups ([Note: every sample once across replica
+        groups] in data.py): the last decided quorum's groups times this group's ranks, and this rank's place."""
+        quorum = self.data_quorum
+        if quorum is None:
+            return self.group_size, self.group_rank
+        return quorum.participants * self.group_size, (quorum.place or 0) * self.group_size + self.group_rank
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the job's checkpoints: the first group of the last step's quorum
