@@ -206,6 +206,27 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
         self.resume_at(epoch, start)
         self._pending = 0 if in_step_ranks is None else min(in_step_ranks * self.batch_size, len(self.dataset) - start)
 
+    @classmethod
+    def in_place_of(cls, loader: DataLoader, sampler: DistributedSampler,
+                    split: Callable[[], tuple[int, int]]) -> ReplicaGroupSampler:
+        """The sampler of ``sampler``'s order (its dataset, shuffle, seed, drop_last and epoch) for ``loader``'s
+        batch size, split by ``split() -> (ranks, rank)``."""
+        batch_size = getattr(loader.batch_sampler, "batch_size", None)
+        if not isinstance(batch_size, int):
+            raise ValueError("Fault tolerance splits each global batch by committed steps: give the training DataLoader"
+                             " a batch_size (not a batch_sampler of its own), or a sampler of your own.")
+        dataset: Sized = sampler.dataset  # type: ignore[assignment]
+        ft = cls(dataset, batch_size, split, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        ft.epoch = sampler.epoch
+        return ft
+
+    def steps_left(self, world: int, at: int | None = None) -> int:
+        """Global batches of ``world`` ranks left in this epoch's order after its first ``at`` samples (by default
+        the committed position): the last one padded, or with ``drop_last`` none short of a whole one."""
+        rest = max(len(self.dataset) - (self.start if at is None else at), 0)
+        block = world * self.batch_size
+        return rest // block if self.drop_last else math.ceil(rest / block)
+
     def commit(self, committed: bool) -> None:
         """The step of the batches drawn since the last decision: their samples are consumed, or drawn again."""
         if committed:
@@ -223,16 +244,14 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
             world, rank = self._split()
             order = self._epoch_order()
             at = self.start + self._pending
-            rest = len(order) - at
-            if rest <= 0 or (self.drop_last and rest < world * self.batch_size):
+            if self.steps_left(world, at) == 0:
                 return
             block = world * self.batch_size
             taken = order[at:at + block]
             if len(taken) < block:
                 taken += (order * math.ceil(block / len(order)))[: block - len(taken)]
-            self._pending += min(block, rest)
-            after = rest - min(block, rest)
-            self.last_batch_drawn = after <= 0 or (self.drop_last and after < block)
+            self._pending += min(block, len(order) - at)
+            self.last_batch_drawn = self.steps_left(world, self.start + self._pending) == 0
             yield from taken[rank::world]
 
 
@@ -349,7 +368,7 @@ def keep_data_position(trainer: Trainer, split: Callable[[], tuple[int, int]] | 
     called by the strategy before the callbacks' ``setup``. ``split`` (fault tolerance): a
     :class:`ReplicaGroupSampler` splitting each batch by ``split() -> (ranks, rank)`` instead."""
     _compat.replace_inserted_sampler(trainer, _elastic_in_place_of if split is None
-                                     else functools.partial(_replica_group_sampler, split))
+                                     else functools.partial(ReplicaGroupSampler.in_place_of, split=split))
     if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, DataPosition) for c in trainer.callbacks):
         # First: Lightning runs ModelCheckpoint last, and the batch it saves after must be counted by then.
         trainer.callbacks.insert(0, DataPosition(strict=False))
@@ -359,18 +378,6 @@ def _elastic_in_place_of(loader: DataLoader, sampler: DistributedSampler) -> Ela
     if not isinstance(getattr(loader.batch_sampler, "batch_size", None), int):
         return None  # DataPosition counts samples as batches x batch size: a loader without one keeps Lightning's
     return ElasticDistributedSampler.from_distributed_sampler(sampler)
-
-
-def _replica_group_sampler(split: Callable[[], tuple[int, int]], loader: DataLoader,
-                           sampler: DistributedSampler) -> ReplicaGroupSampler:
-    batch_size = getattr(loader.batch_sampler, "batch_size", None)
-    if not isinstance(batch_size, int):
-        raise ValueError("Fault tolerance splits each global batch by committed steps: give the training DataLoader a"
-                         " batch_size (not a batch_sampler of its own), or a sampler of your own.")
-    ft = ReplicaGroupSampler(sampler.dataset, batch_size, split, shuffle=sampler.shuffle, seed=sampler.seed,  # type: ignore[arg-type]
-                             drop_last=sampler.drop_last)
-    ft.epoch = sampler.epoch
-    return ft
 
 
 def replica_group_samplers(trainer: Trainer) -> list[ReplicaGroupSampler]:
