@@ -38,6 +38,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_zero._compat import StrategyRegistry as _StrategyRegistry
@@ -66,6 +67,7 @@ from lightning_zero.engine.fault_tolerance import (
     load_engine_state,
 )
 from lightning_zero.engine.optimizer import ZeroOptimizer
+from lightning_zero.fabric_fault_tolerance import FabricDataPosition
 
 VERSION_KEY = "pytorch-lightning_version"
 """Stamped into every save, as Lightning stamps its checkpoints: the Trainer reads a checkpoint only with it."""
@@ -95,8 +97,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
         reshards.
         fault_tolerance: a :class:`~lightning_zero.FaultTolerance`: this job is one replica group of a
             fault-tolerant job; ``optimizer.step()`` applies only committed steps, and
-            ``fabric.strategy.fault_tolerance.committed`` says whether the last one was (count steps by it).
-            A group behind the others heals in ``fabric.setup``.
+            ``fabric.strategy.fault_tolerance.steps`` counts the job's committed steps (stop the loop by it). A
+            group behind the others heals in ``fabric.setup``. ``fabric.setup_dataloaders`` gives a loader whose
+            sampler is a ``DistributedSampler`` an ``EpochReplicaGroupSampler`` ([Note: Fabric's epoch] in
+            fabric_fault_tolerance.py).
 
     A save still in flight is finished by the next ``fabric.save``, by ``fabric.load`` and by
     :meth:`teardown`, which also ends the saver's thread and coordination group (Fabric does not call it:
@@ -153,6 +157,7 @@ class ZeroLowLevelStrategy(DDPStrategy):
             raise TypeError(f"fault_tolerance must be a lightning_zero.FaultTolerance, got {type(fault_tolerance).__name__}.")
         self._fault_tolerance = fault_tolerance
         self._replica_groups: ReplicaGroups | None = None
+        self._data_position = FabricDataPosition() if fault_tolerance is not None else None
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     @property
@@ -244,6 +249,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             optimizer.register_pre_update_hook(wait_for_staging)
         if groups is not None:
             groups.register_state("engine", lambda: engine_state(engine), lambda state: load_engine_state(engine, state))
+            assert self._data_position is not None
+            self._data_position.serve(groups)
             for optimizer in engine.optimizers:
                 optimizer.register_pre_update_hook(functools.partial(groups.decide, optimizer))
             groups.join()  # a group behind the others heals now, before its first forward
@@ -258,6 +265,12 @@ class ZeroLowLevelStrategy(DDPStrategy):
     def fault_tolerance(self) -> FaultTolerance | None:
         """The fault tolerance settings, with what the last ``optimizer.step()`` did (``committed``, ...)."""
         return self._fault_tolerance
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """With fault tolerance, a ``DistributedSampler`` becomes an ``EpochReplicaGroupSampler`` of its settings: every
+        sample of an epoch once across the replica groups, however they come and go."""
+        return dataloader if self._data_position is None else self._data_position.adopt(dataloader)
 
     def _join_replica_groups(self) -> ReplicaGroups | None:
         if self._fault_tolerance is None:
