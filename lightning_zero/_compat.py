@@ -130,19 +130,101 @@ def torch_save_without_record_crcs(obj: Any, stream: Any) -> None:
         stream.flush()
 
 
-def dcp_save_tensors(state_dict: dict[str, Any], storage_writer: Any, planner: Any, process_group: Any) -> Any:
-    """``torch.distributed.checkpoint.save`` of a state dict that holds no ``Stateful`` object (tensors and
-    flat chunks): ``state_dict_saver._save_state_dict``, the function ``save`` calls after its walk of the
-    top-level values (torch 2.4 to 2.15). That walk checks each value against the runtime ``Stateful``
-    protocol, whose ``isinstance`` collects the protocol's members every time, and wraps each in DCP's
-    per-call logger: a per-key cost that a ``sharded`` save of thousands of flat keys paid on every save
-    (BENCHMARKS.md). ``no_dist`` as ``save`` decides it."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import state_dict_saver
+def dcp_save_tensors(state_dict: dict[str, Any], storage_writer: Any, planner: Any, process_group: Any) -> None:
+    """DCP's save protocol, as ``state_dict_saver._save_state_dict`` runs it (torch 2.4 to 2.15: ``_DistWrapper``'s
+    ``reduce_scatter`` of the plans, then ``all_reduce`` of the write results into ``.metadata``), for a state dict
+    that holds no ``Stateful`` object (tensors and flat chunks). Two steps of ``dcp.save`` are left out, both
+    per-key work that a ``sharded`` save of thousands of flat keys paid on every save (BENCHMARKS.md):
 
+    - the walk of the top-level values before the protocol (``_stateful_to_state_dict``), which checks each
+      against the runtime ``Stateful`` protocol (whose ``isinstance`` collects the protocol's members every
+      time) and wraps each in DCP's per-call logger;
+    - the broadcast of the global ``.metadata`` to every rank at the end, pickled on the coordinator and
+      unpickled on every rank: ``dcp.save`` returns it, the package never reads it. What is broadcast instead is
+      whether the coordinator wrote it; a failure on any rank still fails every rank alike, as one
+      ``CheckpointException``.
+
+    And each rank's write results reach the coordinator as rows of plain values (:func:`_write_result_rows`),
+    which pickle in C, instead of DCP's dataclasses, each pickled through Python-level ``__getstate__`` calls;
+    the coordinator builds the same records from them for ``.metadata``.
+
+    ``planner`` None: DCP's default planner. ``no_dist`` as ``save`` decides it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    planner = DefaultSavePlanner() if planner is None else planner
     no_dist = not (dist.is_available() and dist.is_initialized())
-    return state_dict_saver._save_state_dict(state_dict=state_dict, storage_writer=storage_writer,
-                                             process_group=process_group, no_dist=no_dist, planner=planner)
+    dist_w = _DistWrapper(process_group, not no_dist, 0)
+    global_metadata = None
+
+    def local_step() -> Any:
+        planner.set_up_planner(state_dict=state_dict, storage_meta=storage_writer.storage_meta(),
+                               is_coordinator=dist_w.is_coordinator)
+        if "kwargs" in inspect.signature(storage_writer.set_up_storage_writer).parameters:
+            storage_writer.set_up_storage_writer(dist_w.is_coordinator, rank=dist_w.rank, use_collectives=True)
+        else:
+            storage_writer.set_up_storage_writer(dist_w.is_coordinator)
+        return storage_writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_local_plans: list[Any]) -> list[Any]:
+        nonlocal global_metadata
+        all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
+        return storage_writer.prepare_global_plan(all_local_plans)
+
+    central_plan = dist_w.reduce_scatter("plan", local_step, global_step)
+
+    def write_data() -> Any:
+        writes = storage_writer.write_data(planner.finish_plan(central_plan), planner)
+        writes.wait()
+        return _write_result_rows(writes.value())
+
+    def finish_checkpoint(all_results: list[Any]) -> bool:
+        storage_writer.finish(metadata=global_metadata, results=[_write_results(rows) for rows in all_results])
+        return True
+
+    dist_w.all_reduce("write", write_data, finish_checkpoint)
+
+
+_RESULT_ROWS = "lightning_zero.write-result-rows"
+_STORAGE_INFO_FIELDS = frozenset({"relative_path", "offset", "length", "transform_descriptors", "crc32"})
+
+
+def _write_result_rows(results: list[Any]) -> Any:
+    """DCP's ``WriteResult`` s of one rank as ``(marker, rows)``, a row of plain values each (``MetadataIndex``'s
+    ``fqn``, ``offset``, ``index``; the size; ``filesystem._StorageInfo``'s ``relative_path``, ``offset``,
+    ``length``; the package's ``crc32``); ``results`` as they are where any is not exactly such a record (another
+    writer's storage data, stream transforms)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    rows = []
+    for result in results:
+        info, index = result.storage_data, result.index
+        if (type(result) is not WriteResult or type(info) is not _StorageInfo or info.transform_descriptors is not None
+                or not _STORAGE_INFO_FIELDS.issuperset(vars(info))):
+            return results
+        rows.append((index.fqn, None if index.offset is None else tuple(index.offset), index.index,
+                     result.size_in_bytes, info.relative_path, info.offset, info.length, getattr(info, "crc32", None)))
+    return _RESULT_ROWS, rows
+
+
+def _write_results(value: Any) -> Any:
+    """The ``WriteResult`` s :func:`_write_result_rows` made rows of, as DCP's writer made them (anything else as
+    it is)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    if not (isinstance(value, tuple) and len(value) == 2 and value[0] == _RESULT_ROWS):
+        return value
+    results = []
+    for fqn, offset, index, size, path, start, length, crc in value[1]:
+        info = _StorageInfo(path, start, length)
+        if crc is not None:
+            info.crc32 = crc
+        results.append(WriteResult(index=MetadataIndex(fqn, offset, index), size_in_bytes=size, storage_data=info))
+    return results
 
 
 def storage_alignment() -> int:
@@ -173,12 +255,12 @@ def dcp_data_file_name(plan: Any, index: int) -> str:
     return f"{plan.storage_data.prefix}{index}{DEFAULT_SUFFIX}"
 
 
-def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """DCP's record of where an item is (``filesystem._StorageInfo``, torch 2.4 to 2.15), as its writer makes it
-    for an item written without stream transforms."""
+def dcp_storage_info_type() -> Any:
+    """DCP's record of where an item is (``filesystem._StorageInfo``, torch 2.4 to 2.15): called with
+    ``(relative_path, offset, length)`` as its writer makes it for an item written without stream transforms."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return _StorageInfo(relative_path, offset, length)
+    return _StorageInfo
 
 
 def crc32_in_torch_save() -> bool:

@@ -156,7 +156,7 @@ def test_dcp_writer_file_names_and_storage_records_are_the_ones_it_writes(tmp_pa
     prefix = info.relative_path[: -len("0.distcp")]
     assert _compat.dcp_data_file_name(types.SimpleNamespace(storage_data=types.SimpleNamespace(prefix=prefix)), 0) == (
         info.relative_path)
-    ours = _compat.dcp_storage_info(info.relative_path, info.offset, info.length)
+    ours = _compat.dcp_storage_info_type()(info.relative_path, info.offset, info.length)
     assert type(ours) is type(info)
     assert (ours.relative_path, ours.offset, ours.length, ours.transform_descriptors) == (
         info.relative_path, info.offset, info.length, info.transform_descriptors)

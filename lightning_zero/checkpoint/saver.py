@@ -199,6 +199,17 @@ class _SaveJob:
     live: bool = False  # the caller waits for the save: no host copy of what it can write as it is
 
     def run(self, staged: threading.Event) -> None:
+        # [Note: the collector and a save's objects] A save makes thousands of objects for a tree of many small
+        # tensors (its staged copy, DCP's plans, write results and .metadata), alive until it ends. A collection
+        # set off while they live walks them and moves them into the older generations, whose growth sets off
+        # full collections of the process's whole heap (hundreds of ms under torch and Lightning), on whichever
+        # thread allocates next. So the collector is paused for the whole job and resumed once the staged copy
+        # and the objects made from it are gone (the end of ``run``); nothing a save makes needs collecting.
+        # ``CheckpointTuning.pause_gc`` turns it off. [Note: no collections while planning] in dcp/adapter.py.
+        with process.gc_paused(self.tuning.pause_gc):
+            self._run(staged)
+
+    def _run(self, staged: threading.Event) -> None:
         try:
             started = time.perf_counter()
             if self.tier is not None:

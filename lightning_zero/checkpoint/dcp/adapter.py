@@ -72,6 +72,10 @@ class FlatChunk:
         return f"FlatChunk(numel={self.numel}, offset={self.offset}, local={self.local.numel()})"
 
 
+_FLAT_VALUES = (Tensor, FlatChunk)
+"""The values DCP's flattening leaves as they are (a plain tensor, a flat chunk)."""
+
+
 # [Note: no collections while planning]
 # DCP's plans and `.metadata` are millions of small objects at scale (1.2M items at 1024 ranks of
 # a 291-tensor model, each a dataclass holding torch.Size values). Building them (the coordinator's
@@ -97,10 +101,21 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         self.pause_gc = pause_gc
         self.bytes_planned = 0
 
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        """A ``sharded`` save's tensors are already one flat dict of plain tensors and flat chunks under string
+        keys: DCP's flattening (a walk of every value, then of every ``ShardedTensor``) would hand it back as it
+        is, with each key its own path, which is what is set here without the walks. Anything else is DCP's."""
+        if self.flatten_state_dict and all(type(key) is str and type(value) in _FLAT_VALUES
+                                           for key, value in state_dict.items()):
+            self.mappings = {key: (key,) for key in state_dict}
+            self.state_dict, self.is_coordinator = state_dict, is_coordinator
+            return
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
         if isinstance(obj, FlatChunk):
-            if index.offset != torch.Size([obj.offset]):
+            if tuple(index.offset) != (obj.offset,):
                 raise ValueError(f"{index.fqn!r}: this rank holds the chunk at {obj.offset}, not {index.offset}")
             return obj.local
         return super().lookup_object(index)

@@ -19,9 +19,10 @@ Python, not by its bytes. Where a rank's items are many and small (staging's rul
   would, and a plan of many distinct shapes (fewer than :data:`MIN_USES_PER_TEMPLATE` items a template)
   goes to DCP's writer.
 
-The save runs with the collector paused (``CheckpointTuning.pause_gc``: each item made dozens of objects, and
-the collections they set off walked the process's whole heap) and skips DCP's walk for ``Stateful`` values
-(``modes/sharded.py``). BENCHMARKS.md ("sharded saves of many small tensors") has the figures.
+Each item is handed to the checksumming stream whole, with the checksum its template computes
+(``_ChecksummingStream.write_item`` in dcp/integrity.py). The save runs with the collector paused
+([Note: the collector and a save's objects] in saver.py) and through ``_compat.dcp_save_tensors``, DCP's
+protocol without its walk for ``Stateful`` values and without the broadcast of ``.metadata`` to every rank. BENCHMARKS.md ("sharded saves of many small tensors") has the figures.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint.dcp.adapter import chunk_bytes
+from lightning_zero.checkpoint.dcp.zip_records import ZIP_RECORDS, directory_start
 from lightning_zero.checkpoint.runtime.staging import many_small
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
@@ -86,6 +88,9 @@ class _Template:
         self.tail = blob[data_start + nbytes:]
         self.head_crc = record.header_offset + 14
         self.tail_crc = _central_crc_field(blob, directory, record.filename) - data_start - nbytes
+        self.directory = directory - data_start - nbytes  # where the zip directory starts in ``tail``
+        if self.directory < 0 or directory_start(self.tail) != self.directory:
+            raise ValueError("torch.save wrote a zip directory this template cannot find")
 
     def parts(self, data: memoryview) -> tuple[bytes | bytearray, bytes | bytearray]:
         """(head, tail) of the zip for ``data``: with its CRC32 put in where torch writes record CRCs."""
@@ -96,6 +101,13 @@ class _Template:
         _CRC.pack_into(head, self.head_crc, crc)
         _CRC.pack_into(tail, self.tail_crc, crc)
         return head, tail
+
+    def checksum(self, head: Any, data: memoryview, tail: Any) -> Any:
+        """The item's checksum in ``.metadata`` (what the checksumming stream would find for these bytes): the
+        digest of the zip directory where the records carry CRC32s, else the CRC32 of the whole item."""
+        if self.with_crcs:
+            return ZIP_RECORDS, zlib.crc32(memoryview(tail)[self.directory:])
+        return zlib.crc32(tail, zlib.crc32(data, zlib.crc32(head)))
 
 
 def _central_crc_field(blob: bytes, offset: int, name: str) -> int:
@@ -120,7 +132,8 @@ def _template(dtype: torch.dtype, shape: tuple[int, ...], with_crcs: bool, align
 
 def write_tensor(stream: Any, tensor: Tensor, with_crcs: bool, alignment: int) -> None:
     """Write ``tensor`` as ``torch.save`` would into ``stream``: the template's head, the tensor's own bytes, the
-    tail; by ``torch.save`` itself where no template describes it ([Note: many small items])."""
+    tail; by ``torch.save`` itself where no template describes it ([Note: many small items]). A stream with
+    ``write_item`` (the checksumming stream of dcp/integrity.py) takes the item whole, with its checksum."""
     tensor = tensor.detach()
     if not _plain(tensor):
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
@@ -128,10 +141,15 @@ def write_tensor(stream: Any, tensor: Tensor, with_crcs: bool, alignment: int) -
         torch.save(tensor, stream)
         return
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-    head, tail = _template(tensor.dtype, tuple(tensor.shape), with_crcs, alignment).parts(data)
+    template = _template(tensor.dtype, tuple(tensor.shape), with_crcs, alignment)
+    head, tail = template.parts(data)
+    write_item = getattr(stream, "write_item", None)
+    if write_item is not None:
+        write_item((head, data, tail), template.checksum(head, data, tail))
+        return
     stream.write(head)
     stream.write(data)
-    stream.write(tail)  # the zip directory, in a write of its own ([Note: coalesced item writes] in integrity.py)
+    stream.write(tail)
 
 
 def _plain(tensor: Tensor) -> bool:
@@ -151,6 +169,7 @@ def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any
     file_name = _compat.dcp_data_file_name(plan, 0)
     ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
     results = []
+    storage_info = _compat.dcp_storage_info_type()
     with create_stream(file_name) as stream:
         for item in ordered:
             offset = stream.tell()
@@ -161,7 +180,7 @@ def write_items(create_stream: Callable[[str], Any], sync_files: bool, plan: Any
                 write_tensor(stream, data.cpu(), with_crcs, alignment)
             length = stream.tell() - offset
             results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_compat.dcp_storage_info(file_name, offset, length)))
+                                       storage_data=storage_info(file_name, offset, length)))
         if sync_files:
             try:
                 os.fsync(stream.fileno())

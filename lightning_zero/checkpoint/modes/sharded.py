@@ -41,7 +41,6 @@ from lightning_zero.checkpoint.formats.tree import (
     walk,
 )
 from lightning_zero.checkpoint.modes.base import CheckpointMode, OpenedCheckpoint, SaveTarget, tensor_bytes
-from lightning_zero.checkpoint.runtime.process import gc_paused
 from lightning_zero.checkpoint.runtime.team import Team, ranks_on_this_node
 from lightning_zero.checkpoint.store import file_io, storage
 from lightning_zero.checkpoint.store.storage import CheckpointCorruptError, Location
@@ -69,12 +68,7 @@ def write_sharded(state: Any, loc: Location, version_dir: str, team: Team, save_
     try:
         # DCP's own coordinator (its plans and ``.metadata``) is the group's first rank; the commit that
         # makes the checkpoint valid (the marker) is ours, written by ``team``'s coordinator.
-        # The collector paused for the whole of DCP's save, not only its planning: its plans, write results and
-        # .metadata are thousands of objects for a rank of many small items, and a full collection set off among
-        # them walks the process's heap ([Note: many small items] in dcp/items.py). The pause lasts as long as
-        # the save's collectives: a peer that hangs one holds it until the process group's timeout.
-        with gc_paused(tuning.pause_gc):
-            _compat.dcp_save_tensors(tensors, storage_writer=writer, planner=planner, process_group=team.group)
+        _compat.dcp_save_tensors(tensors, storage_writer=writer, planner=planner, process_group=team.group)
     except BaseException as exc:
         forget_plans(cache_key)  # DCP fails every rank together: all of them plan the next save afresh
         if isinstance(exc, CheckpointException):
@@ -321,6 +315,8 @@ class ShardedMode(CheckpointMode):
         return save_signature(state)
 
     def write(self, state: Any, target: SaveTarget) -> int | None:
+        # The job holds the collector paused ([Note: the collector and a save's objects] in saver.py). The pause
+        # lasts as long as the save's collectives: a peer that hangs one holds it until the process group's timeout.
         return write_sharded(state, target.loc, target.version_dir, target.team, target.save_id, target.signatures,
                              target.tuning)
 

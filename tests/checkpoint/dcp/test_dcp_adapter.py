@@ -261,6 +261,46 @@ def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypa
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("mode", ["sharded", "local"])
+@pytest.mark.parametrize("pause_gc", [True, False])
+def test_a_save_runs_with_the_collector_paused_until_its_staged_copy_is_gone(
+        one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, pause_gc: bool) -> None:
+    # [Note: the collector and a save's objects] in saver.py: staging, the write and the commit all run paused; the
+    # collector is on again once the job is over; CheckpointTuning(pause_gc=False) leaves it alone.
+    import gc
+    import weakref
+
+    from lightning_zero.checkpoint import CheckpointTuning, async_save, maybe_finalize_async_calls
+    from lightning_zero.checkpoint.formats.tree import walk
+    from lightning_zero.checkpoint.saver import _SaveJob
+
+    seen: dict[str, bool] = {}
+    staged_copy: list[Any] = []
+    stage, write = _SaveJob.stage, _SaveJob.write
+
+    def recording_stage(self: _SaveJob, staged: Any) -> None:
+        seen["stage"] = gc.isenabled()
+        stage(self, staged)
+        copied = self.state  # a tree of copies (sharded), or the local rank file's filled pack plan
+        staged_copy.append(weakref.ref(next(leaf for _, leaf in walk(copied)) if isinstance(copied, dict) else copied))
+
+    def recording_write(self: _SaveJob) -> None:
+        seen["write"] = gc.isenabled()
+        write(self)
+
+    monkeypatch.setattr(_SaveJob, "stage", recording_stage)
+    monkeypatch.setattr(_SaveJob, "write", recording_write)
+    state = {f"w{i}": torch.full((4, 4), float(i)) for i in range(80)}
+    async_save(state, str(tmp_path / "c.ckpt"), mode=mode, tuning=CheckpointTuning(pause_gc=pause_gc))  # a copy
+    maybe_finalize_async_calls(blocking=True)
+    assert seen == {"stage": not pause_gc, "write": not pause_gc}
+    assert gc.isenabled()
+    assert staged_copy[0]() is None  # the staged copy was dropped, not left for the collector
+    loaded = {key: torch.zeros(4, 4) for key in state}
+    load(loaded, str(tmp_path / "c.ckpt"))
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
 def test_a_process_forked_during_a_pause_starts_with_the_collector_as_it_was() -> None:
     # A DataLoader worker forked while the background thread plans a save has no thread to end
     # the pause: it starts with the collector on, and can pause and resume it itself.

@@ -170,13 +170,16 @@ def test_a_sharded_save_of_many_small_tensors_is_one_file_that_plain_dcp_reads(
     assert checksums and all(crc[0] == zip_records.ZIP_RECORDS for crc in checksums)  # each item's zip digest
 
 
-def test_items_larger_than_a_write_run_are_checksummed_with_and_without_record_crcs(
+def test_items_small_and_larger_than_a_write_run_are_checksummed_with_and_without_record_crcs(
         tmp_path: Path, record_crcs: bool) -> None:
-    # Items of more than 64 KiB reach the file in writes of their own ([Note: coalesced item writes]); torch's
-    # record CRCs are a setting of the thread that saves, so DCP's writer runs on this one here.
+    # Items of more than 64 KiB reach the file in writes of their own ([Note: coalesced item writes]), smaller ones
+    # are gathered with the checksum their template computes (``_ChecksummingStream.write_item``); either way
+    # the checksum in .metadata is the one computed here from the file's bytes. torch's record CRCs are a
+    # setting of the thread that saves, so DCP's writer runs on this one here.
     import zlib
 
     state = {f"w{i}": torch.full((20_000,), float(i)) for i in range(70)}
+    state.update({f"b{i}": torch.full((3, 5), float(i), dtype=torch.bfloat16) for i in range(8)})
     writer = dcp_integrity.checksumming_writer(dcp.FileSystemWriter, "save-1", lambda stream: None)(
         str(tmp_path), sync_files=False)
     dcp.save(state, storage_writer=writer, no_dist=True)
@@ -187,7 +190,7 @@ def test_items_larger_than_a_write_run_are_checksummed_with_and_without_record_c
         expected = zip_records.directory_digest(item) if record_crcs else zlib.crc32(item)
         assert info.crc32 == expected
         assert zip_records.item_intact(item, info.crc32)
-    loaded = {key: torch.zeros(20_000) for key in state}
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[key], state[key]) for key in state)
 
