@@ -137,6 +137,9 @@ def test_dcp_save_tensors_writes_what_dcp_save_writes(single_rank_group: None, t
         dcp.load(target, checkpoint_id=str(tmp_path / name))
         assert all(torch.equal(target[key], state[key]) for key in state), name
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(p.name for p in (tmp_path / "dcp").iterdir())
+    ours, theirs = (dcp.FileSystemReader(str(tmp_path / name)).read_metadata() for name in ("ours", "dcp"))
+    assert ours.storage_data == theirs.storage_data  # the results came back from their rows as DCP's own
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
 
 
 def test_dcp_writer_file_names_and_storage_records_are_the_ones_it_writes(tmp_path: Path) -> None:
@@ -532,3 +535,27 @@ def test_mark_last_batch_ends_the_epoch_after_this_batch(tmp_path: Path) -> None
     trainer = _StepCounting.fit(tmp_path, 5, inside_step)
     assert isinstance(trainer, Trainer)
     assert epochs == [0, 0, 0, 1, 1]
+
+
+def test_write_results_travel_as_plain_rows_and_come_back_as_dcp_made_them() -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    info = _StorageInfo("__0_0.distcp", 128, 64)
+    info.crc32 = ("zip-records", 7)  # the package's checksum rides along
+    results = [WriteResult(index=MetadataIndex("w", [4], 0), size_in_bytes=64, storage_data=info),
+               WriteResult(index=MetadataIndex("b"), size_in_bytes=8, storage_data=_StorageInfo("__0_0.distcp", 0, 8))]
+    rows = _compat._write_result_rows(results)
+    assert rows[1] and all(type(value) in (str, int, tuple, type(None)) for row in rows[1] for value in row)
+    back = _compat._write_results(pickle.loads(pickle.dumps(rows)))
+    assert back == results  # dataclass equality: index, size and storage record
+    assert back[0].storage_data.crc32 == ("zip-records", 7) and not hasattr(back[1].storage_data, "crc32")
+    assert back[0].index.offset == torch.Size([4]) and back[0].index.index == 0
+    # A record of another writer (stream transforms) goes as it is, and so does a list already of results.
+    transformed = [WriteResult(index=MetadataIndex("w", [0]), size_in_bytes=4,
+                               storage_data=_StorageInfo("__0_0.distcp", 0, 4, transform_descriptors=["zstd"]))]
+    assert _compat._write_result_rows(transformed) is transformed
+    assert _compat._write_results(transformed) is transformed

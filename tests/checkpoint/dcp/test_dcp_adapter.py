@@ -301,6 +301,20 @@ def test_a_save_runs_with_the_collector_paused_until_its_staged_copy_is_gone(
     assert all(torch.equal(loaded[key], value) for key, value in state.items())
 
 
+def test_a_flat_state_dict_is_planned_as_dcp_would_without_its_flattening() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from lightning_zero.checkpoint.dcp.adapter import FlatChunkSavePlanner
+
+    flat = {"model/w": torch.ones(3), "optimizer/state/0/exp_avg": FlatChunk(torch.zeros(2), 4, 2)}
+    planner = FlatChunkSavePlanner()
+    planner.set_up_planner(flat, is_coordinator=True)
+    assert planner.state_dict is flat and planner.mappings == flatten_state_dict(flat)[1]
+    nested = {"model": {"w": torch.ones(3)}, "n": 1}  # anything else takes DCP's own flattening
+    planner.set_up_planner(nested, is_coordinator=True)
+    assert set(planner.state_dict) == {"model.w", "n"} and planner.mappings == flatten_state_dict(nested)[1]
+
+
 def test_a_process_forked_during_a_pause_starts_with_the_collector_as_it_was() -> None:
     # A DataLoader worker forked while the background thread plans a save has no thread to end
     # the pause: it starts with the collector on, and can pause and resume it itself.
