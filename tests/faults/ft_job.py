@@ -111,8 +111,10 @@ def report_line(strategy, step: int, loss: float, lr: float, engine) -> dict:  #
     return line
 
 
-def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> None:
-    """The same job as a Fabric loop: ``optimizer.step()`` applies only committed steps, counted by the report."""
+def fabric_main(out: Path, group: int, world: int, rank: int) -> None:
+    """The same job as a Fabric loop, written as a user writes it: the loader through ``fabric.setup_dataloaders``
+    (its sampler, with fault tolerance, the epoch's order across the groups by committed steps), the loop stopped by
+    the job's committed steps. Each step reports what the Trainer's job reports: its samples, epoch and place."""
     from lightning_zero.fabric import ZeroLowLevelStrategy as FabricZero
 
     ft = FaultTolerance(replica_group_id=group, timeout_s=float(os.environ.get("FT_TIMEOUT", "3")))
@@ -121,28 +123,23 @@ def fabric_main(out: Path, group: int, world: int, rank: int, groups: int) -> No
     torch.manual_seed(0)
     module = Model()
     model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
-    sampler = torch.utils.data.DistributedSampler(Numbers(), num_replicas=groups * world, rank=group * world + rank,
-                                                  shuffle=True, seed=1)
-    loader = DataLoader(Numbers(), batch_size=BATCH, sampler=sampler)
+    loader = fabric.setup_dataloaders(DataLoader(Numbers(), batch_size=BATCH, shuffle=True))
     engine = fabric.strategy.engine_of(model)
-    step = 0
-    epoch = 0
-    while step < STEPS:
-        sampler.set_epoch(epoch)
-        for x, y, _ in loader:
+    while ft.steps < STEPS:  # the job's committed steps, carried by a heal
+        for x, y, index in loader:  # the rest of the epoch the sampler is in, as a heal carries it
             if os.environ.get("FT_STEP_SLEEP"):
                 time.sleep(float(os.environ["FT_STEP_SLEEP"]))
             loss = nn.functional.mse_loss(model(x), y)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            step = fabric.strategy.fault_tolerance.steps  # the job's committed steps, carried by a heal
-            line = report_line(fabric.strategy, step, float(loss.detach()), optimizer.param_groups[0]["lr"], engine)
+            line = report_line(fabric.strategy, ft.steps, float(loss.detach()), optimizer.param_groups[0]["lr"], engine)
+            place = fabric.strategy._replica_groups.data_quorum.place  # None: this step contributed nothing
+            line.update(epoch=loader.sampler.epoch, samples=index.tolist(), place=place)
             with open(out / f"g{group}_r{rank}.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
-            if step >= STEPS:
+            if ft.steps >= STEPS:
                 break
-        epoch += 1
     fabric.strategy.teardown()
 
 
@@ -277,7 +274,7 @@ def main() -> None:
     if os.environ.get("FT_HEAL_SLEEP") or os.environ.get("FT_SERVE_SLEEP"):
         slow_heals(out, group, rank)
     if os.environ.get("FT_FABRIC") == "1":
-        fabric_main(out, group, world, rank, groups)
+        fabric_main(out, group, world, rank)
         return
     if hybrid:
         k = world // groups
