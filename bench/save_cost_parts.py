@@ -1,7 +1,7 @@
 """Where an async save's cost in the loop sits: which step after the save pays it, and what is left when parts
 of the background work are taken out.
 
-One rank inside ``Trainer.fit``, as ``trainer_checkpoint.py --one-rank`` runs it (``torch.set_num_threads(1)``,
+One rank inside ``Trainer.fit``, as ``trainer_checkpoint.py --one-rank`` runs it (one intra-op thread,
 async ``local`` saves every ``--every`` steps). For each variant it prints the step time by its position in
 the save period (position ``every - 1`` is the step whose end runs the save hook, 0 the step after it), the
 mean step, its ratio to the run without saves just before it, and the save's own figures (staging, staging
@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--phases", action="store_true", help="the training thread's part of a save instead")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    tc.one_compute_thread()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     if args.phases:

@@ -10,8 +10,8 @@ the strategy waits for staging after the closure, right before the update. This 
 * step time with a save every step, beside the same loop without saves and with synchronous saves.
 
 ``--one-rank`` instead: what a save costs the loop on one rank with a free core (:func:`one_rank_table`):
-``torch.set_num_threads(1)``, so the training thread needs one core and a save's background work has the other
-to itself; a ModelCheckpoint every ``--every`` steps (``save_top_k=1``: the older file is removed as Lightning
+one intra-op thread (:func:`one_compute_thread`), so the training thread needs one core and a save's background
+work has the other to itself; a ModelCheckpoint every ``--every`` steps (``save_top_k=1``: the older file is removed as Lightning
 removes it). Per run: the mean time between ``training_step`` starts over whole save periods past the first
 (a save's whole cost, whatever its background work takes from the training thread, counts), its ratio to the
 same loop without saves under the same strategy (per round, the median taken), and save hook -> next
@@ -184,12 +184,21 @@ def one_rank_marks(kind: str, model: str, steps: int, every: int, root: str) -> 
     return module.marks
 
 
+def one_compute_thread() -> None:
+    """Training on one intra-op thread, for every fit of this process: ``torch.set_num_threads(1)`` alone lasts
+    until the first ``Trainer.fit``, whose launcher sets torch's threads to the cores over the processes (here 2)
+    unless ``OMP_NUM_THREADS`` is set (``lightning.fabric.utilities.distributed._set_num_threads_if_needed``).
+    Before this, the one-rank tables trained on both cores, and the save's thread had no core of its own."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def one_rank_table(every: int, steps: int, rounds: int, models: list[str], runs: list[str]) -> None:
     """The one-rank, free-core table (see the module docstring), printed as markdown rows."""
-    torch.set_num_threads(1)
+    one_compute_thread()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    print(f"One rank, torch.set_num_threads(1), a save every {every} step(s), {steps} steps,"
+    print(f"One rank, one intra-op thread (OMP_NUM_THREADS=1), a save every {every} step(s), {steps} steps,"
           f" median of {rounds} rounds; load {os.getloadavg()[0]:.1f}")
     print("| model | run | step ms | vs its strategy's no saves | hook -> step ms |")
     print("| --- | --- | ---: | ---: | ---: |")
