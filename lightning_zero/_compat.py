@@ -71,7 +71,7 @@ __all__ = [
     "MIN_LIGHTNING", "MIN_TORCH", "NOT_RESUMABLE_WARNING", "MockOptimizer", "StrategyRegistry", "crc32_in_torch_save",
     "dcp_metadata_path", "element_size", "fsspec_storage_classes", "lightning_loader", "plain_checkpoint_load",
     "quiet_not_resumable_warning", "replace_inserted_sampler", "require_supported_versions", "save_planner_caches",
-    "save_planner_kwargs", "sync_module_states",
+    "save_planner_kwargs", "sync_module_states", "update_dataloader",
 ]
 
 
@@ -397,6 +397,15 @@ def discard_optimizer_step(trainer: Any) -> None:
         tracker.ready -= 1
         tracker.completed -= 1
     loop._batches_that_stepped -= 1
+
+
+def update_dataloader(loader: Any, sampler: Any) -> Any:
+    """``loader`` made again with ``sampler``, as Fabric's ``setup_dataloaders`` makes it with its
+    ``DistributedSampler``: ``lightning.fabric.utilities.data._update_dataloader`` (Lightning 2.4 to 2.6), which
+    keeps the arguments a ``DataLoader`` subclass was made with."""
+    from lightning.fabric.utilities.data import _update_dataloader
+
+    return _update_dataloader(loader, sampler)
 
 
 def replace_inserted_sampler(trainer: Any, replace: Callable[[Any, Any], Any | None]) -> None:

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
+from lightning_zero import _compat
 from lightning_zero.data import ReplicaGroupSampler
 from lightning_zero.engine.fault_tolerance import ReplicaGroups
 
@@ -29,7 +29,15 @@ class EpochReplicaGroupSampler(ReplicaGroupSampler):
     iteration left before its end (a ``break``) is continued by the next one from the committed position: what it
     drew for no decided step counts for nothing. ``len()`` is this rank's samples in the rest of the epoch at the last
     decided split (once the epoch is consumed, the next one's), as many as an iteration yields if every step commits
-    and the groups stay: a loop stops by ``fault_tolerance.steps``, not by it."""
+    and the groups stay: a loop stops by ``fault_tolerance.steps``, not by it.
+
+    A loader the training steps do not read (validation, set up by the same ``setup_dataloaders``) gets this sampler
+    too, and no step is decided while it is iterated: an iteration through to its end with no decision consumed
+    nothing, so its loader yields the whole of its epoch split over the quorum's ranks each time, as a
+    ``DistributedSampler`` would, and the training steps' decisions leave it where it was."""
+
+    _decided = 0
+    """Decisions seen so far (an iteration compares it before and after)."""
 
     @override
     def __len__(self) -> int:
@@ -42,11 +50,19 @@ class EpochReplicaGroupSampler(ReplicaGroupSampler):
         epoch])."""
 
     @override
+    def commit(self, committed: bool) -> None:
+        self._decided += 1
+        super().commit(committed)
+
+    @override
     def __iter__(self) -> Iterator[int]:
         self._pending = 0  # drawn by an iteration left before its step was decided
         if self.steps_left(self._split()[0]) == 0:
             self.resume_at(self.epoch + 1, 0)
+        decided = self._decided
         yield from super().__iter__()
+        if self._decided == decided:  # no step read it: a loader beside the training one, consumed nothing
+            self._pending = 0
 
 
 class FabricDataPosition:
@@ -73,7 +89,7 @@ class FabricDataPosition:
         if len(self._healed) > len(self.samplers):
             replica_group_sampler.resume_at(*self._healed[len(self.samplers)])
         self.samplers.append(replica_group_sampler)
-        return _rebuilt_with(loader, replica_group_sampler)
+        return _compat.update_dataloader(loader, replica_group_sampler)
 
     def serve(self, groups: ReplicaGroups) -> None:
         """Registered before the group joins: a heal carries the samplers' positions, each decision moves them."""
@@ -101,10 +117,3 @@ class FabricDataPosition:
     def _follow(self, committed: bool) -> None:
         for sampler in self.samplers:
             sampler.commit(committed)
-
-
-def _rebuilt_with(loader: DataLoader, sampler: ReplicaGroupSampler) -> DataLoader:
-    """``loader`` made again with ``sampler``, as Fabric made it with its ``DistributedSampler``: Lightning's private
-    ``lightning.fabric.utilities.data._update_dataloader`` (Lightning 2.5 and 2.6), which keeps a subclass's own
-    arguments."""
-    return _update_dataloader(loader, sampler)

@@ -559,3 +559,19 @@ def test_write_results_travel_as_plain_rows_and_come_back_as_dcp_made_them() -> 
                                storage_data=_StorageInfo("__0_0.distcp", 0, 4, transform_descriptors=["zstd"]))]
     assert _compat._write_result_rows(transformed) is transformed
     assert _compat._write_results(transformed) is transformed
+
+
+def test_update_dataloader_makes_a_loader_subclass_again_with_a_new_sampler() -> None:
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    class Loader(DataLoader):
+        def __init__(self, dataset: Any, tag: str, **kwargs: Any) -> None:
+            super().__init__(dataset, **kwargs)
+            self.tag = tag
+
+    dataset = list(range(10))
+    loader = Loader(dataset, "mine", batch_size=3, shuffle=True)
+    sampler = SequentialSampler(dataset)
+    rebuilt = _compat.update_dataloader(loader, sampler)
+    assert type(rebuilt) is Loader and rebuilt.tag == "mine" and rebuilt.batch_size == 3
+    assert rebuilt.sampler is sampler and [batch.tolist() for batch in rebuilt][0] == [0, 1, 2]
