@@ -110,10 +110,9 @@ class _ChecksummingStream:
         return self._position
 
     def write_item(self, parts: tuple[Any, ...], checksum: Any) -> int:
-        """Write one whole item, ``parts`` in turn, and record ``checksum``, which the caller computed from these
-        very bytes ([Note: many small items] in dcp/items.py), instead of the per-write work of :meth:`write`.
-        The parts are gathered as they are, not copied: they stay unchanged until the stream is finished (the
-        save's own buffers and tensors, which nothing writes while a save runs). Returns the item's offset."""
+        """Write one whole item, ``parts`` in turn, and record ``checksum``, computed by the caller from these very
+        bytes ([Note: many small items] in dcp/items.py). Parts are gathered uncopied: they stay unchanged until
+        the stream is finished (a save's buffers and tensors, which nothing writes meanwhile). Returns the offset."""
         self._stop_if_abandoned()
         start = self.tell()
         for part in parts:
