@@ -21,6 +21,8 @@ imports no Lightning.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import pickle
 import re
@@ -194,19 +196,32 @@ def _write_result_rows(results: list[Any]) -> Any:
     """DCP's ``WriteResult`` s of one rank as ``(marker, rows)``, a row of plain values each (``MetadataIndex``'s
     ``fqn``, ``offset``, ``index``; the size; ``filesystem._StorageInfo``'s ``relative_path``, ``offset``,
     ``length``; the package's ``crc32``); ``results`` as they are where any is not exactly such a record (another
-    writer's storage data, stream transforms)."""
+    writer's storage data, stream transforms), or where this torch's records have fields a row leaves out."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
+    if not _rows_hold_write_results():
+        return results
     rows = []
     for result in results:
         info, index = result.storage_data, result.index
+        fields = getattr(info, "__dict__", None)
         if (type(result) is not WriteResult or type(info) is not _StorageInfo or info.transform_descriptors is not None
-                or not _STORAGE_INFO_FIELDS.issuperset(vars(info))):
+                or fields is None or not _STORAGE_INFO_FIELDS.issuperset(fields)):
             return results
         rows.append((index.fqn, None if index.offset is None else tuple(index.offset), index.index,
                      result.size_in_bytes, info.relative_path, info.offset, info.length, getattr(info, "crc32", None)))
     return _RESULT_ROWS, rows
+
+
+@functools.cache
+def _rows_hold_write_results() -> bool:
+    """Whether ``WriteResult`` and ``MetadataIndex`` have exactly the fields a row carries (torch 2.4 to 2.15)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    return ({field.name for field in dataclasses.fields(WriteResult)} == {"index", "size_in_bytes", "storage_data"}
+            and {field.name for field in dataclasses.fields(MetadataIndex)} == {"fqn", "offset", "index"})
 
 
 def _write_results(value: Any) -> Any:

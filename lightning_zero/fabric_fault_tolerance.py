@@ -29,15 +29,10 @@ class EpochReplicaGroupSampler(ReplicaGroupSampler):
     iteration left before its end (a ``break``) is continued by the next one from the committed position: what it
     drew for no decided step counts for nothing. ``len()`` is this rank's samples in the rest of the epoch at the last
     decided split (once the epoch is consumed, the next one's), as many as an iteration yields if every step commits
-    and the groups stay: a loop stops by ``fault_tolerance.steps``, not by it.
-
-    A loader the training steps do not read (validation, set up by the same ``setup_dataloaders``) gets this sampler
-    too, and no step is decided while it is iterated: an iteration through to its end with no decision consumed
-    nothing, so its loader yields the whole of its epoch split over the quorum's ranks each time, as a
-    ``DistributedSampler`` would, and the training steps' decisions leave it where it was."""
-
-    _decided = 0
-    """Decisions seen so far (an iteration compares it before and after)."""
+    and the groups stay: a loop stops by ``fault_tolerance.steps``, not by it. Every such loader moves with the
+    training steps' decisions, so a loader the steps do not read (validation) needs a sampler of another class.
+    (When a step is decided is no sign of which loader it read: a loader with workers reads ahead past the
+    epoch's end, and a step may be decided after the loop that drew its batches.)"""
 
     @override
     def __len__(self) -> int:
@@ -50,19 +45,11 @@ class EpochReplicaGroupSampler(ReplicaGroupSampler):
         epoch])."""
 
     @override
-    def commit(self, committed: bool) -> None:
-        self._decided += 1
-        super().commit(committed)
-
-    @override
     def __iter__(self) -> Iterator[int]:
         self._pending = 0  # drawn by an iteration left before its step was decided
         if self.steps_left(self._split()[0]) == 0:
             self.resume_at(self.epoch + 1, 0)
-        decided = self._decided
         yield from super().__iter__()
-        if self._decided == decided:  # no step read it: a loader beside the training one, consumed nothing
-            self._pending = 0
 
 
 class FabricDataPosition:

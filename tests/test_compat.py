@@ -575,3 +575,8 @@ def test_update_dataloader_makes_a_loader_subclass_again_with_a_new_sampler() ->
     rebuilt = _compat.update_dataloader(loader, sampler)
     assert type(rebuilt) is Loader and rebuilt.tag == "mine" and rebuilt.batch_size == 3
     assert rebuilt.sampler is sampler and [batch.tolist() for batch in rebuilt][0] == [0, 1, 2]
+
+
+def test_write_result_rows_hold_every_field_of_dcps_records() -> None:
+    # A torch that adds a field to WriteResult or MetadataIndex gets its results sent as they are, not as rows.
+    assert _compat._rows_hold_write_results()

@@ -203,10 +203,13 @@ class _SaveJob:
         # tensors (its staged copy, DCP's plans, write results and .metadata), alive until it ends. A collection
         # set off while they live walks them and moves them into the older generations, whose growth sets off
         # full collections of the process's whole heap (hundreds of ms under torch and Lightning), on whichever
-        # thread allocates next. So the collector is paused for the whole job and resumed once the staged copy
-        # and the objects made from it are gone (the end of ``run``); nothing a save makes needs collecting.
+        # thread allocates next. So the collector is paused for the job, process-wide, and resumed at its end,
+        # once the staged copy is dropped: from staging to commit, or for a tiered save its durable phase only
+        # (the local tier keeps its staged copy between saves, and its replication may wait long on peers).
+        # Meanwhile the training thread's cyclic garbage waits for the next collection, which the gaps between
+        # jobs give it; a job that hangs in a collective holds the pause until the process group's timeout.
         # ``CheckpointTuning.pause_gc`` turns it off. [Note: no collections while planning] in dcp/adapter.py.
-        with process.gc_paused(self.tuning.pause_gc):
+        with process.gc_paused(self.tuning.pause_gc and self.tier is None):
             self._run(staged)
 
     def _run(self, staged: threading.Event) -> None:
@@ -257,9 +260,10 @@ class _SaveJob:
             tier.keep_unpersisted(self.state)
             return
         try:
-            self.agree()
-            self.write()
-            self.commit()
+            with process.gc_paused(self.tuning.pause_gc):  # [Note: the collector and a save's objects]
+                self.agree()
+                self.write()
+                self.commit()
         except CheckpointSaveError as exc:
             if stats is not None:
                 stats.durable_error = str(exc)

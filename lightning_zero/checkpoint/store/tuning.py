@@ -33,9 +33,9 @@ class CheckpointTuning:
     reject it at load) after the older one was removed. What it saves is the disk's time in the save (BENCHMARKS.md,
     "What a save costs the loop": the synchronous rows)."""
     pause_gc: bool = True
-    """Pause Python's cyclic collector for the whole of each save, from its staging copy to its commit ([Note:
-    the collector and a save's objects] in saver.py), while DCP plans a load and while ``.metadata`` is unpickled
-    ([Note: no collections while planning] in dcp/adapter.py)."""
+    """Pause Python's cyclic collector for each save, from its staging copy to its commit (a tiered save's durable
+    phase; [Note: the collector and a save's objects] in saver.py), while DCP plans a load and while ``.metadata``
+    is unpickled ([Note: no collections while planning] in dcp/adapter.py)."""
 
     def __post_init__(self) -> None:
         for name in ("write_threads", "max_read_threads", "writeback_bytes"):

@@ -276,3 +276,21 @@ def test_a_checkpoint_loaded_in_place_of_the_chosen_one_counts_its_steps_lost_fr
         "durable", "/durable/step=5.ckpt", 5, 4, None)
     unknown = as_loaded(chosen, "/durable/other.ckpt", {})
     assert unknown.step is None and unknown.steps_lost == 1
+
+
+def test_the_collector_is_paused_for_the_durable_phase_of_a_tiered_save_only(tmp_path, monkeypatch):
+    # [Note: the collector and a save's objects] in checkpoint/saver.py: the local tier keeps its staged copy between
+    # saves and its replication may wait long on peers, so only the durable write runs with the collector paused.
+    import gc
+
+    from lightning_zero.checkpoint.saver import _SaveJob
+    from lightning_zero.checkpoint.tiered.tiers import TierSave
+
+    seen: list[tuple[str, bool]] = []
+    run_local, write = TierSave.run_local, _SaveJob.write
+    monkeypatch.setattr(TierSave, "run_local", lambda self, *a: (seen.append(("local", gc.isenabled())),
+                                                                 run_local(self, *a))[1])
+    monkeypatch.setattr(_SaveJob, "write", lambda self: (seen.append(("durable", gc.isenabled())), write(self))[1])
+    _trainer(tmp_path, steps=2, persist_every=2).fit(NetModule(), loader(2, 1, 1))
+    assert ("local", True) in seen and ("durable", False) in seen and ("durable", True) not in seen
+    assert gc.isenabled()
