@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -73,6 +74,12 @@ class FabricDataPosition:
         if type(sampler) is not DistributedSampler:
             return loader
         replica_group_sampler = EpochReplicaGroupSampler.in_place_of(loader, sampler, self.split)
+        if self.samplers:  # a second one: rarely a training loader, and a validation one would move with the steps
+            rank_zero_warn(
+                f"Fault tolerance gave {len(self.samplers) + 1} loaders a sampler that every training step's decision"
+                " moves (an EpochReplicaGroupSampler in place of their DistributedSampler). A loader the training steps"
+                " do not read (validation) would yield only what the steps left of it: give it a sampler of another"
+                " class, e.g. `sampler=lightning_zero.ElasticDistributedSampler(dataset, shuffle=False)`.")
         if len(self._healed) > len(self.samplers):
             replica_group_sampler.resume_at(*self._healed[len(self.samplers)])
         self.samplers.append(replica_group_sampler)

@@ -148,3 +148,14 @@ def test_steps_decided_after_the_iteration_ended_still_consume_its_batches(one_r
         for _ in drawn:
             groups.decide(True)
         assert (sampler.epoch, sampler.start) == (epoch, 8)
+
+
+def test_a_second_loader_given_the_sampler_is_warned_about(one_rank: None) -> None:
+    """A validation loader set up with Fabric's defaults would move with the training steps: the user is told."""
+    fabric, _, _ = set_up(True, DataLoader(range(10), batch_size=2, shuffle=True))
+    with pytest.warns(UserWarning, match="do not read \\(validation\\)"):
+        val = fabric.setup_dataloaders(DataLoader(range(6), batch_size=2))
+    assert type(val.sampler) is EpochReplicaGroupSampler
+    own = fabric.setup_dataloaders(DataLoader(range(6), batch_size=2,
+                                              sampler=ElasticDistributedSampler(range(6), shuffle=False)))
+    assert type(own.sampler) is ElasticDistributedSampler  # the advice: kept as it is, no warning needed
