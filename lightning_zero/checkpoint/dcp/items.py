@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint.dcp.adapter import chunk_bytes
-from lightning_zero.checkpoint.dcp.zip_records import ZIP_RECORDS, directory_start
+from lightning_zero.checkpoint.dcp.zip_records import directory_checksum, directory_start
 from lightning_zero.checkpoint.runtime.staging import many_small
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
@@ -106,7 +106,7 @@ class _Template:
         """The item's checksum in ``.metadata`` (what the checksumming stream would find for these bytes): the
         digest of the zip directory where the records carry CRC32s, else the CRC32 of the whole item."""
         if self.with_crcs:
-            return ZIP_RECORDS, zlib.crc32(memoryview(tail)[self.directory:])
+            return directory_checksum(memoryview(tail)[self.directory:])
         return zlib.crc32(tail, zlib.crc32(data, zlib.crc32(head)))
 
 

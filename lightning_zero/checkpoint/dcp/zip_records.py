@@ -47,12 +47,17 @@ def directory_digest(tail: bytes) -> tuple[str, int] | None:
     directory per item was a tenth of a ``sharded`` save of thousands of small items), else by ``zipfile``."""
     start = directory_start(tail)
     if start is not None:
-        return ZIP_RECORDS, zlib.crc32(tail[start:])
+        return directory_checksum(memoryview(tail)[start:])
     try:
         with zipfile.ZipFile(io.BytesIO(tail)) as archive:
-            return ZIP_RECORDS, zlib.crc32(tail[archive.start_dir:])
+            return directory_checksum(memoryview(tail)[archive.start_dir:])
     except Exception:  # noqa: BLE001 - whatever zipfile raises: not a directory we can digest
         return None
+
+
+def directory_checksum(directory: Any) -> tuple[str, int]:
+    """The checksum ``.metadata`` records for an item whose zip directory and end records are ``directory``."""
+    return ZIP_RECORDS, zlib.crc32(directory)
 
 
 def item_intact(data: bytes, expected: Any) -> bool:
