@@ -153,23 +153,10 @@ class ReplicaGroups:
     Lightning's launcher set them)."""
 
     def __init__(self, config: FaultTolerance, group_rank: int, group_size: int, device: torch.device) -> None:
-        torchft = import_torchft()
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
         self.config = config
         self.group_rank, self.group_size = group_rank, group_size
-        timeout = timedelta(seconds=config.timeout_s)
-        # On GPUs the cross-group reduction runs on NCCL (gloo would stage every byte through the host).
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self._pg = pg  # the Manager reconfigures it at each new quorum; the buckets' hop runs on it
-        self.manager = Manager(
-            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replica_groups,
-            use_async_quorum=True, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
-            connect_timeout=timeout, rank=group_rank, world_size=group_size,
-            replica_id=f"lightning_zero_{config.replica_group_id}", lighthouse_addr=config.lighthouse_address(),
-        )
-        self._torchft_version = getattr(torchft, "__version__", "?")
+        # The Manager reconfigures the process group at each new quorum; the buckets' hop runs on it.
+        self._pg, self.manager = self._connect(device)
         self._started_at: float | None = None
         self._buckets: Sequence[Any] = ()
         self._healed_at: float | None = None
@@ -182,11 +169,32 @@ class ReplicaGroups:
         self._reducing = False  # this step's before_reduction has run
         self._step_before_quorum = 0  # torchft's step when this step's quorum was asked for
         self._joined_by_heal: bool | None = None  # join's heal: loaded (True) or failed (False); None: none
+        self._split_by_this_quorum = False  # this step's batches wait for its quorum (the last step was discarded)
+        self._source_splits: bool | None = None  # the heal's source: its batches of this step split as asked
+        self._deciding = False  # inside should_commit (where a heal of the step is applied)
         self.joining = False
         """True while :meth:`join` applies a heal (outside any optimizer step)."""
         self.data_quorum: DataQuorum | None = None
         """The quorum of the last decided step: how the next step's batches are split ([Note: data quorum])."""
         self.register_state("replica_groups", self.state, self.load_state)
+
+    def _connect(self, device: torch.device) -> tuple[Any, Any]:
+        """torchft's process group for the cross-group hop and this rank's ``Manager`` over it."""
+        import_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        config = self.config
+        timeout = timedelta(seconds=config.timeout_s)
+        # On GPUs the cross-group reduction runs on NCCL (gloo would stage every byte through the host).
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replica_groups,
+            use_async_quorum=True, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timeout, rank=self.group_rank, world_size=self.group_size,
+            replica_id=f"lightning_zero_{config.replica_group_id}", lighthouse_addr=config.lighthouse_address(),
+        )
+        return pg, manager
 
     def register_state(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
         """``save`` (called on a torchft thread while the training thread runs forward and backward)
@@ -238,13 +246,32 @@ class ReplicaGroups:
                 self.manager.start_quorum()
 
     def state(self) -> dict[str, Any]:
-        """What a heal carries of this object: the quorum the next batches are split by."""
-        return {"data_quorum": None if self.data_quorum is None else dataclasses.astuple(self.data_quorum)}
+        """What a heal carries of this object: the split this step's batches were fetched with, and whether this
+        step's quorum splits them so ([Note: a healer decides as its source]). Called on torchft's quorum thread once
+        this step's quorum is in, maybe before this group's training thread has read it: after a discarded step, the
+        batches are fetched with this very quorum, whatever ``data_quorum`` says yet."""
+        quorum = _torchft_quorum_now(self.manager)
+        fetched_by = quorum if self._split_by_this_quorum else self.data_quorum
+        return {"data_quorum": None if fetched_by is None else dataclasses.astuple(fetched_by),
+                "splits": self._splits_as_fetched(quorum)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         saved = state["data_quorum"]
         # The source's quorum, without the source's place: this group has none until it takes part in a step.
         self.data_quorum = None if saved is None else dataclasses.replace(DataQuorum(*saved), place=None)
+        self._source_splits = bool(state["splits"])
+        if self._deciding and not self._source_splits:  # a heal inside the step: before the group's answer
+            self.manager.report_error(self._split_changed("the group this rank healed from"))
+
+    def _splits_as_fetched(self, quorum: DataQuorum) -> bool:
+        """Whether this step's ``quorum`` splits the batches as they were fetched ([Note: data quorum])."""
+        if self._split_by_this_quorum or self.data_quorum is None:
+            return True
+        return quorum.splits_like(self.data_quorum)
+
+    def _split_changed(self, who: str) -> RuntimeError:
+        return RuntimeError(f"the quorum changed: {who} fetched this step's batches for another split of the groups"
+                            f" ({self.data_quorum} -> {self._quorum()})")
 
     def before_reduction(self) -> None:
         """The first reduction of a step: the quorum is known; average over its participants. Once per step
@@ -333,18 +360,30 @@ class ReplicaGroups:
         lost costs the step it was lost in, and a group that joins costs one step. Every group asks for
         one quorum per step, as torchft's lighthouse expects. (torchft's quorum id is no test of a change:
         it is bumped after any discarded step.)
+
+        [Note: a healer decides as its source] Each group answers ``should_commit`` alone, so the groups of a
+        quorum must reach the same answer from what each knows. A group that heals in the step contributes
+        nothing and fetched its batches by its own history, which is not its source's: were it to judge its own
+        split, it could commit a step its source discards (or the reverse) and end a step ahead of its source,
+        which then heals from it, judges its own split, and so on: two groups taking turns, neither committing
+        the steps the other does. So the healer judges nothing of its own: its source serves, with its state,
+        whether its own batches of the step were split as the quorum splits them, and the healer discards the
+        step when the source will (the heal is applied inside ``should_commit`` before the group's answer, or
+        before the step in :meth:`join`). After a discarded step the next batches wait for the next quorum, so
+        its split is the one they were fetched with, whichever thread reads it first.
         """
         self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
         with self._quorum_errors():
             healing = not self.manager.is_participating()
             participants = self.manager.num_participants()
             quorum = self._quorum()
-        if self.data_quorum is not None and not quorum.splits_like(self.data_quorum):
-            self.manager.report_error(RuntimeError(
-                f"the quorum changed ({self.data_quorum.participants} -> {participants} groups): this step's"
-                " batches were split among other groups"))
+        if not healing and not self._splits_as_fetched(quorum):
+            self.manager.report_error(self._split_changed("this group"))
+        elif healing and self._source_splits is False:  # healed before the step (join): as its source decides
+            self.manager.report_error(self._split_changed("the group this rank healed from"))
         self._healed_at = None
         heal_start = time.perf_counter()
+        self._deciding = True
         try:
             committed = bool(self.manager.should_commit())
         except Exception as exc:
@@ -353,6 +392,8 @@ class ReplicaGroups:
                 f" {self.config.timeout_s} s ({exc}): a rank of this group stopped (its own log says why). torchrun"
                 " restarts the group, which heals from a live group."
             ) from exc
+        finally:
+            self._deciding, self._source_splits = False, None
         report = self.config
         report.committed = committed
         report.participants = participants
@@ -372,6 +413,7 @@ class ReplicaGroups:
                 self._forget_heal()
         self._started_at = None
         self._reducing = False
+        self._split_by_this_quorum = not committed  # before the next quorum is asked for (a heal may read it)
         if committed:
             self.data_quorum = quorum
         else:
@@ -453,6 +495,13 @@ class ReplicaGroups:
 def _torchft_heal_pending(manager: Any) -> bool:
     """Whether the quorum just waited for asks this rank to heal (``Manager._healing``, torchft 2026.10)."""
     return bool(manager._healing)
+
+
+def _torchft_quorum_now(manager: Any) -> DataQuorum:
+    """The quorum as torchft's quorum thread has just set it (``Manager._participating_replica_rank`` and
+    ``_participating_replica_world_size``, torchft 2026.10), read on that thread: a state function runs inside the
+    quorum's future, where ``participating_rank()`` would wait for that very future."""
+    return DataQuorum(manager._participating_replica_rank, max(manager._participating_replica_world_size, 1))
 
 
 def _torchft_apply_heal(manager: Any) -> None:

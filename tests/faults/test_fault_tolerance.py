@@ -142,8 +142,10 @@ def committing(ft: FTCluster, group: int, participants: int, since: float, count
 
 def test_a_group_dying_inside_the_cross_group_all_reduce(tmp_path: Path) -> None:
     """Group 2 dies (agent and workers SIGKILLed by its first rank) right after launching its share of the cross-
-    group all-reduce: the other two discard at most that step, stay bit-identical at every committed step, and
-    apply no partial step (no NaN, the same digests as each other)."""
+    group all-reduce: the other two stay bit-identical at every committed step and apply no partial step (no NaN,
+    the same digests as each other). Each discards the step group 2 died in, or the first step after it whose split
+    changed; where the collective broke for one survivor only, that one is a step behind, heals from the other and
+    discards that step too, as its source does ([Note: a healer decides as its source])."""
     with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
         ft.start_lighthouse()
         ft.launch(0)
@@ -156,7 +158,8 @@ def test_a_group_dying_inside_the_cross_group_all_reduce(tmp_path: Path) -> None
                     and sharing(ft, 0, 1, 15), 120, "the survivors committing on their own")
     for rank in range(2):
         assert assert_identical_where_shared(ft.reports(0, rank), ft.reports(1, rank)) >= 15
-    assert sum(not r["committed"] for r in ft.reports(0) if r["t"] > died_at) <= 1
+    discarded = sorted(sum(not r["committed"] for r in ft.reports(g) if r["t"] > died_at) for g in (0, 1))
+    assert discarded in ([0, 1], [1, 1], [1, 2]), discarded
 
 
 def test_a_frozen_group_is_dropped_and_rejoins_by_healing(tmp_path: Path) -> None:
