@@ -184,6 +184,8 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
         self._split = split
         self._pending = 0
         """Samples of the order taken by batches whose step is not decided yet."""
+        self._drawn = 0
+        """Batches drawn since the last decision: the micro-batches of the step (``accumulate_grad_batches``)."""
         self.last_batch_drawn = False
         """Whether the batch drawn last ends the epoch if its step commits."""
         self._order: tuple[int, list[int]] | None = None
@@ -195,16 +197,17 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
     @override
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self._pending = 0
+            self._pending = self._drawn = 0
         super().set_epoch(epoch)
 
     def heal(self, epoch: int, start: int, in_step_ranks: int | None) -> None:
         """A live group's position (read before its step), put here. ``in_step_ranks``: the heal is applied inside
         a step that every group splits over that many ranks and commits, so its samples are this sampler's pending
-        ones too (the batch this group drew before the heal was not split with the others and counts for nothing:
-        a healing group contributes nothing)."""
+        ones too: as many global batches as this group drew micro-batches in the step (the batches themselves were
+        not split with the others and count for nothing: a healing group contributes nothing)."""
         self.resume_at(epoch, start)
-        self._pending = 0 if in_step_ranks is None else min(in_step_ranks * self.batch_size, len(self.dataset) - start)
+        in_step = 0 if in_step_ranks is None else self._drawn * in_step_ranks * self.batch_size
+        self._pending = min(in_step, len(self.dataset) - start)
 
     @classmethod
     def in_place_of(cls, loader: DataLoader, sampler: DistributedSampler,
@@ -231,7 +234,7 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
         """The step of the batches drawn since the last decision: their samples are consumed, or drawn again."""
         if committed:
             self.start = min(self.start + self._pending, len(self.dataset))
-        self._pending = 0
+        self._pending = self._drawn = 0
 
     def _epoch_order(self) -> list[int]:
         if self._order is None or self._order[0] != self.epoch:
@@ -251,6 +254,7 @@ class ReplicaGroupSampler(ElasticDistributedSampler):
             if len(taken) < block:
                 taken += (order * math.ceil(block / len(order)))[: block - len(taken)]
             self._pending += min(block, len(order) - at)
+            self._drawn += 1
             self.last_batch_drawn = self.steps_left(world, self.start + self._pending) == 0
             yield from taken[rank::world]
 

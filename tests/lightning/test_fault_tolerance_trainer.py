@@ -71,6 +71,31 @@ def test_a_discarded_step_is_drawn_again_and_the_next_split_follows_the_quorum()
         next(its[0])
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_a_heal_inside_an_accumulated_step_moves_the_position_as_the_participants_do(micro_batches: int) -> None:
+    """Group 0 (2 ranks) takes part alone; group 1 heals inside the step (torchft applies the heal at the decision,
+    after the step's micro-batches were drawn). Both then commit the step: group 1 at group 0's position, moved by the
+    step's ``micro_batches`` global batches of group 0's split, as group 0's is."""
+    live = [sampler(Split(1, 0, r)) for r in range(2)]
+    healer_splits = [Split(2, 1, r) for r in range(2)]  # its own, older split: it drew other batches
+    healer = [sampler(split) for split in healer_splits]
+    live_its, healer_its = [iter(s) for s in live], [iter(s) for s in healer]
+    batches(live + healer, live_its + healer_its, 2)  # two steps all four committed (their positions now differ)
+    before = (live[0].epoch, live[0].start)  # what group 0 serves: read when the step's quorum forms
+    for _ in range(micro_batches):
+        for it in live_its + healer_its:
+            [next(it) for _ in range(4)]
+    for s in healer:
+        s.heal(*before, in_step_ranks=2)
+    for s in live + healer:
+        s.commit(True)
+    assert live[0].start == before[1] + micro_batches * 2 * 4
+    assert [s.start for s in healer] == [live[0].start] * 2
+    for split in healer_splits:  # the step's quorum splits its next batches ([Note: data quorum]): group 0's place
+        split.groups, split.place = 1, 0
+    assert [next(it) for it in healer_its] == [next(it) for it in live_its]  # the same next samples as group 0's ranks
+
+
 def test_the_length_keeps_lightning_from_reading_ahead_and_never_ends_the_epoch() -> None:
     s = sampler(Split(1, 0, 0))
     assert len(s) == ReplicaGroupSampler.HUGE
