@@ -259,7 +259,7 @@ class ReplicaGroups:
         saved = state["data_quorum"]
         # The source's quorum, without the source's place: this group has none until it takes part in a step.
         self.data_quorum = None if saved is None else dataclasses.replace(DataQuorum(*saved), place=None)
-        self._source_splits = bool(state["splits"])
+        self._source_splits = bool(state.get("splits", True))  # a source of an older version: its own check only
         if self._deciding and not self._source_splits:  # a heal inside the step: before the group's answer
             self.manager.report_error(self._split_changed("the group this rank healed from"))
 
@@ -366,14 +366,17 @@ class ReplicaGroups:
         nothing and fetched its batches by its own history, which is not its source's: were it to judge its own
         split, it could commit a step its source discards (or the reverse) and end a step ahead of its source,
         which then heals from it, judges its own split, and so on: two groups taking turns, neither committing
-        the steps the other does. So the healer judges nothing of its own: its source serves, with its state,
+        the steps the other does. So the healer judges no split of its own: its source serves, with its state,
         whether its own batches of the step were split as the quorum splits them, and the healer discards the
-        step when the source will (the heal is applied inside ``should_commit`` before the group's answer, or
-        before the step in :meth:`join`). After a discarded step the next batches wait for the next quorum, so
-        its split is the one they were fetched with, whichever thread reads it first.
+        step when that check fails the source (the heal is applied inside ``should_commit`` before the group's
+        answer, or before the step in :meth:`join`). A failure only the source sees (a sum that broke for it
+        alone) is not carried: that costs a step more, once (the former healer's split names no place, so the
+        next quorum that counts it changes every group's split). After a discarded step the next batches wait
+        for the next quorum, so its split is the one they were fetched with, whichever thread reads it first.
         """
         self.start_step()  # a step with no reduction (no backward) still takes part in the quorum
         with self._quorum_errors():
+            self.manager.wait_quorum()  # is_participating() reads this step's quorum without waiting for it
             healing = not self.manager.is_participating()
             participants = self.manager.num_participants()
             quorum = self._quorum()

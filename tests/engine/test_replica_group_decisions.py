@@ -7,6 +7,7 @@ decisions interleave as they do between processes. What is checked is the groups
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -140,14 +141,19 @@ class _Done:
         return True
 
 
-def run_steps(groups: ReplicaGroups, steps: int, out: list[tuple[bool, int, int]], errors: list[BaseException]) -> None:
+def run_steps(groups: ReplicaGroups, steps: int | list[tuple[float, bool]], out: list[tuple[bool, int, int]],
+              errors: list[BaseException]) -> None:
     """The cross-group half of ``steps`` optimizer steps, as the engine calls it: each step's (committed,
-    participants, the job's steps after it)."""
+    participants, the job's steps after it). ``steps`` as a list: each step's (seconds slept first, backward or not:
+    a step with no backward, a ``training_step`` that returned None, goes to the decision without a reduction)."""
+    plan = steps if isinstance(steps, list) else [(0.0, True)] * steps
     try:
-        for _ in range(steps):
+        for delay, backward in plan:
+            time.sleep(delay)
             groups.start_step()
-            groups.before_reduction()
-            groups.wait_hop(groups.all_reduce(torch.ones(4)).work)
+            if backward:
+                groups.before_reduction()
+                groups.wait_hop(groups.all_reduce(torch.ones(4)).work)
             committed = groups.commit()
             out.append((committed, groups.config.participants, groups.config.steps))
     except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
@@ -156,11 +162,15 @@ def run_steps(groups: ReplicaGroups, steps: int, out: list[tuple[bool, int, int]
         groups.manager.lighthouse.leave()
 
 
-def decisions(fail_at: dict[int, set[int]], steps: int | list[int] = 16,
-              lighthouse: Lighthouse | None = None) -> list[list[tuple[bool, int, int]]]:
-    """Two groups' (committed, participants, job steps) at each of their ``steps``."""
+def decisions(fail_at: dict[int, set[int]], steps: int | list = 16, lighthouse: Lighthouse | None = None,
+              start_at: tuple[int, int] = (0, 0)) -> list[list[tuple[bool, int, int]]]:
+    """Two groups' (committed, participants, job steps) at each of their ``steps`` (a number, or one per group: a
+    number or a plan, as :func:`run_steps` takes), from the job steps ``start_at``."""
     lighthouse = lighthouse or Lighthouse(2)
-    groups = [SimGroups(SimManager(lighthouse, g, fail_at.get(g, set()))) for g in range(2)]
+    managers = [SimManager(lighthouse, g, fail_at.get(g, set())) for g in range(2)]
+    for manager, step in zip(managers, start_at):
+        manager.step = step
+    groups = [SimGroups(manager) for manager in managers]
     out: list[list[tuple[bool, int, int]]] = [[], []]
     errors: list[BaseException] = []
     runs = steps if isinstance(steps, list) else [steps, steps]
@@ -168,7 +178,7 @@ def decisions(fail_at: dict[int, set[int]], steps: int | list[int] = 16,
     for t in threads:
         t.start()
     for t in threads:
-        t.join(WAIT_S * max(runs))
+        t.join(WAIT_S * 20)
     assert not errors, errors
     return out
 
@@ -207,3 +217,15 @@ def test_after_a_discarded_step_a_source_serves_the_split_of_the_quorum_its_batc
     assert served[3:] == [(1, (0, 2), False),  # the 4th step: fetched for two groups, one takes part
                           (1, (0, 1), True),  # asked for by the discarded step: the batches wait for it
                           (1, (0, 1), True)]
+
+
+def test_a_step_with_no_backward_decides_by_its_own_quorum_not_the_last_one() -> None:
+    """Group 0 is behind (relaunched) and heals from group 1 in the first step, which both commit. Group 0's next step
+    has no backward, so nothing has waited for that step's quorum when it decides, and group 1 asks for it late. The
+    decision waits for it: read from the last quorum, group 0 still looked like a healer, skipped its own split
+    check and committed a step, split for one group, that group 1 discarded (split for two)."""
+    a, b = decisions({}, [[(0, True), (0, False), (0, True), (0, True)], [(0, True), (0.5, True), (0, True), (0, True)]],
+                     start_at=(0, 3))
+    assert a[0] == b[0] == (True, 1, 4)  # group 0 healed to group 1's step 3, both committed step 4
+    assert a[1] == b[1] == (False, 2, 4)  # both take part now: split for one group, the step is discarded by both
+    assert a[2:] == b[2:] == [(True, 2, 5), (True, 2, 6)]

@@ -145,7 +145,8 @@ def test_a_group_dying_inside_the_cross_group_all_reduce(tmp_path: Path) -> None
     group all-reduce: the other two stay bit-identical at every committed step and apply no partial step (no NaN,
     the same digests as each other). Each discards the step group 2 died in, or the first step after it whose split
     changed; where the collective broke for one survivor only, that one is a step behind, heals from the other and
-    discards that step too, as its source does ([Note: a healer decides as its source])."""
+    discards that step too, as its source does ([Note: a healer decides as its source]). Counted from when the test
+    saw group 2 gone, a survivor's first discard may come before it."""
     with FTCluster(tmp_path, groups=3, steps=100_000, step_sleep=0.15) as ft:
         ft.start_lighthouse()
         ft.launch(0)
