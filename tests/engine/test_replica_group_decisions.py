@@ -108,7 +108,8 @@ class SimManager:
             assert self.pending is not None
             for key, (load, _) in self.fns.items():
                 load(self.pending[key])
-        if self.step in self.fail_at:
+        if self.step in self.fail_at:  # once: the step taken again after it is another step's sum
+            self.fail_at.discard(self.step)
             self.report_error(RuntimeError("Connection closed by peer"))
         if self.error is None:
             self.step += 1
@@ -142,10 +143,11 @@ class _Done:
 
 
 def run_steps(groups: ReplicaGroups, steps: int | list[tuple[float, bool]], out: list[tuple[bool, int, int]],
-              errors: list[BaseException]) -> None:
+              errors: list[BaseException], leave: bool = True) -> None:
     """The cross-group half of ``steps`` optimizer steps, as the engine calls it: each step's (committed,
     participants, the job's steps after it). ``steps`` as a list: each step's (seconds slept first, backward or not:
-    a step with no backward, a ``training_step`` that returned None, goes to the decision without a reduction)."""
+    a step with no backward, a ``training_step`` that returned None, goes to the decision without a reduction).
+    ``leave``: the group leaves the lighthouse after them."""
     plan = steps if isinstance(steps, list) else [(0.0, True)] * steps
     try:
         for delay, backward in plan:
@@ -159,7 +161,8 @@ def run_steps(groups: ReplicaGroups, steps: int | list[tuple[float, bool]], out:
     except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
         errors.append(exc)
     finally:
-        groups.manager.lighthouse.leave()
+        if leave:
+            groups.manager.lighthouse.leave()
 
 
 def decisions(fail_at: dict[int, set[int]], steps: int | list = 16, lighthouse: Lighthouse | None = None,
@@ -229,3 +232,39 @@ def test_a_step_with_no_backward_decides_by_its_own_quorum_not_the_last_one() ->
     assert a[0] == b[0] == (True, 1, 4)  # group 0 healed to group 1's step 3, both committed step 4
     assert a[1] == b[1] == (False, 2, 4)  # both take part now: split for one group, the step is discarded by both
     assert a[2:] == b[2:] == [(True, 2, 5), (True, 2, 6)]
+
+
+def test_a_group_lost_and_another_joining_in_the_same_quorum() -> None:
+    """Three groups; group 2 dies inside its 6th step (after asking for its quorum: the other two see their sums fail
+    and discard it) and a new group 3 asks for the next quorum in its place, at step 0. That quorum keeps the two
+    survivors' split (group 3 heals, contributing nothing): they commit it, and group 3 with them. In the next, three
+    take part: every group's split changes and every group discards; from then on the three commit together."""
+    lighthouse = Lighthouse(3)
+    managers = [SimManager(lighthouse, g, {5} if g < 2 else set()) for g in range(3)]
+    groups = [SimGroups(m) for m in managers]
+    out: list[list[tuple[bool, int, int]]] = [[], [], [], []]
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=run_steps, args=(groups[g], 12, out[g], errors)) for g in range(2)]
+
+    def dies_and_is_replaced() -> None:
+        run_steps(groups[2], 5, out[2], errors, leave=False)
+        try:
+            groups[2].start_step()
+            managers[2].wait_quorum()  # in the 6th step's quorum, then gone; group 3 takes its place (3 groups live)
+            newcomer = SimGroups(SimManager(lighthouse, 3, set()))
+            joined = threading.Thread(target=run_steps, args=(newcomer, 6, out[3], errors))
+            joined.start()
+            joined.join(WAIT_S * 20)
+        except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
+            errors.append(exc)
+
+    threads.append(threading.Thread(target=dies_and_is_replaced))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 20)
+    assert not errors, errors
+    three = [(True, 3, step) for step in range(1, 6)]
+    assert out[0] == out[1] and out[2] == three
+    assert out[0] == [*three, (False, 3, 5), (True, 2, 6), (False, 3, 6), *[(True, 3, step) for step in range(7, 11)]]
+    assert out[3] == out[0][6:]  # healed inside its first step, then as the survivors
