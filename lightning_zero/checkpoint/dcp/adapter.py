@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint.formats.tree import FlatShard
@@ -105,12 +105,35 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         """A ``sharded`` save's tensors are already one flat dict of plain tensors and flat chunks under string
         keys: DCP's flattening (a walk of every value, then of every ``ShardedTensor``) would hand it back as it
         is, with each key its own path, which is what is set here without the walks. Anything else is DCP's."""
+        self._flat = False
         if self.flatten_state_dict and all(type(key) is str and type(value) in _FLAT_VALUES
                                            for key, value in state_dict.items()):
             self.mappings = {key: (key,) for key in state_dict}
-            self.state_dict, self.is_coordinator = state_dict, is_coordinator
+            self.state_dict, self.is_coordinator, self._flat = state_dict, is_coordinator, True
             return
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> Any:
+        """[Note: a layout instead of a local plan] With plans cached ([Note: cached save plans]), DCP still
+        builds this rank's local plan at every save (a write item with its chunk and tensor properties per
+        tensor, about 5 us each) only to compare it with the cached one and send nothing when they are equal.
+        For a flat dict, what the plan is made of (each key with its chunk's offset and size, its tensor's
+        dtype, layout, shape, requires_grad, contiguity and pinning: every field of a write item) is compared
+        with what it was when the cached plan was made, and where nothing changed the cached plan stands, as
+        DCP's comparison would have decided."""
+        key = getattr(self, "_cached_plans_key", None)
+        if not (getattr(self, "_enable_plan_caching", False) and self._flat and key is not None):
+            return super().create_local_plan()
+        layout = _plan_layout(self.state_dict)
+        cached = SavePlanner._cached_save_plan.get(key)
+        known = _PLAN_LAYOUTS.get(key)
+        if cached is not None and known is not None and known[1] is cached and known[0] == layout:
+            self.plan = cached
+            return SavePlan([], usable=False)
+        plan = super().create_local_plan()
+        # The plan DCP keeps for this key once the save succeeds: the new one, or the cached one it equals.
+        _PLAN_LAYOUTS[key] = (layout, getattr(self, "_pending_local_plan", cached))
+        return plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
@@ -133,6 +156,21 @@ class FlatChunkSavePlanner(DefaultSavePlanner):
         plan = super().finish_plan(new_plan)  # with a cache hit, the cached plan: new_plan is empty
         self.bytes_planned = sum(chunk_bytes(item) for item in plan.items)
         return plan
+
+
+_PLAN_LAYOUTS: dict[str, tuple[list[Any], Any]] = {}
+"""Per plan-cache key: the layout a cached local plan was made from, and that plan ([Note: a layout instead of a
+local plan]); dropped with DCP's caches (:func:`forget_plans`)."""
+
+
+def _plan_layout(state_dict: dict[str, Any]) -> list[Any]:
+    rows = []
+    for key, value in state_dict.items():
+        chunk = value if type(value) is FlatChunk else None
+        tensor = value.local if chunk is not None else value
+        rows.append((key, None if chunk is None else (chunk.numel, chunk.offset), tensor.shape, tensor.dtype,
+                     tensor.layout, tensor.requires_grad, tensor.is_contiguous(), tensor.is_pinned()))
+    return rows
 
 
 def tree_signature(tensors: dict[str, Any]) -> int:
@@ -173,8 +211,9 @@ def plan_cache_key(team: tuple[int, ...], spread_replicas: bool, signatures: Seq
 
 
 def _dcp_plan_caches() -> tuple[dict[str, Any], ...]:
-    """DCP's class-level save-plan caches: local, all local, global and final plans, metadata."""
-    return _compat.save_planner_caches()
+    """DCP's class-level save-plan caches (local, all local, global and final plans, metadata), and the layouts
+    of the local plans."""
+    return (*_compat.save_planner_caches(), _PLAN_LAYOUTS)
 
 
 def forget_plans(key: str) -> None:

@@ -107,6 +107,45 @@ def test_repeated_saves_of_one_tree_reuse_the_global_plan_and_a_changed_tree_rep
     assert torch.equal(third["c"], torch.full((3,), 3.0)) and torch.equal(third["w"].local, torch.full((12,), 3.0))
 
 
+def test_repeated_saves_of_one_layout_reuse_the_local_plan_and_a_resized_tensor_replans(
+        single_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: a layout instead of a local plan]: the second save of one layout builds no local plan; a tensor of
+    another size under the same name and dtype (the same plan-cache key: names and dtypes) is planned again, and its
+    new size is what the checkpoint records and loads."""
+    from torch.distributed.checkpoint import default_planner
+
+    local_plans = []
+    original = default_planner.create_default_local_save_plan
+
+    def counted(state_dict: dict, is_coordinator: bool) -> object:
+        local_plans.append(len(state_dict))
+        return original(state_dict, is_coordinator)
+
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan", counted)
+
+    def tree(value: float, b_size: int = 2) -> dict:
+        return {"w": FlatShard(torch.full((12,), value), (3, 4), 0, 1), "b": torch.full((b_size,), value)}
+
+    def round_trip(name: str, state: dict) -> dict:
+        save(state, str(tmp_path / name), mode="sharded")
+        target = {"w": FlatShard(torch.zeros(12), (3, 4), 0, 1), "b": torch.zeros_like(state["b"])}
+        load(target, str(tmp_path / name))
+        return target
+
+    round_trip("a", tree(1.0))
+    planned = len(local_plans)
+    assert planned >= 1
+    second = round_trip("b", tree(2.0))
+    assert len(local_plans) == planned  # the same layout: the cached plan, no new one
+    assert torch.equal(second["w"].local, torch.full((12,), 2.0)) and torch.equal(second["b"], torch.full((2,), 2.0))
+    third = round_trip("c", tree(3.0, b_size=5))
+    assert len(local_plans) == planned + 1  # resized: planned again
+    assert torch.equal(third["b"], torch.full((5,), 3.0)) and torch.equal(third["w"].local, torch.full((12,), 3.0))
+    fourth = round_trip("d", tree(4.0, b_size=5))
+    assert len(local_plans) == planned + 1  # and the new layout's plan is the cached one from then on
+    assert torch.equal(fourth["b"], torch.full((5,), 4.0))
+
+
 def test_plan_cache_keys_differ_per_team_dedup_rule_and_any_rank_s_dtypes() -> None:
     from lightning_zero.checkpoint.dcp.adapter import plan_cache_key, tree_signature
 
