@@ -381,26 +381,27 @@ class ZeroLowLevelStrategy(DDPStrategy):
         blob = _to_blob(rest)  # refuses what would not load back
         wait_for_staging()  # a save still copying the masters finishes before they are written again
         engine.adopt_module_writes()  # weights written into the module are what is saved
-        options = {**io.storage_options, **(storage_options or {})}
-        write = async_save if io.async_save else save
-        if not saved_optimizers:
-            # No optimizer state: the file Fabric's DDP writes, in every mode ([Note: model-only saves] in
-            # checkpoint/lightning/lightning_tree.py): the state as given, the module as its state_dict().
-            # The state's keys in the caller's order, each value as ``rest`` converted it (the module's is replaced).
-            tree = plain_fabric_tree({key: rest.get(key) for key in state}, module_key, module, engine,
-                                     keep=filter.get(module_key))
-            write(tree, os.fspath(path), mode="full", storage_options=options, plain=True)
+        with link_of(io).building_a_save():  # [Note: the collector and a save's objects] in checkpoint/saver.py
+            options = {**io.storage_options, **(storage_options or {})}
+            write = async_save if io.async_save else save
+            if not saved_optimizers:
+                # No optimizer state: the file Fabric's DDP writes, in every mode ([Note: model-only saves] in
+                # checkpoint/lightning/lightning_tree.py): the state as given, the module as its state_dict().
+                # The state's keys in the caller's order, each value as ``rest`` converted it (the module's is replaced).
+                tree = plain_fabric_tree({key: rest.get(key) for key in state}, module_key, module, engine,
+                                         keep=filter.get(module_key))
+                write(tree, os.fspath(path), mode="full", storage_options=options, plain=True)
+                if io.async_save:
+                    link_of(io).note_blocked(time.perf_counter() - called)
+                return
+            # [Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py: a full file is what Fabric's DDP writes.
+            tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
+                               self._meta[module], blob, keep=filter.get(module_key))
+            # Lightning's fields, where readers of its files look for them (and each save's figures take the step).
+            fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
+            write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
             if io.async_save:
-                link_of(io).note_blocked(time.perf_counter() - called)
-            return
-        # [Note: Fabric's layout] in checkpoint/lightning/fabric_tree.py: a full file is what Fabric's DDP writes.
-        tree = fabric_tree(rest, module_key, saved_optimizers, module, engine, io.mode,
-                           self._meta[module], blob, keep=filter.get(module_key))
-        # Lightning's fields, where readers of its files look for them (and each save's figures take the step).
-        fields = {k: v for k, v in rest.items() if k in ("epoch", "global_step") and isinstance(v, int)}
-        write(tree, os.fspath(path), mode=io.mode, storage_options=options, marker_fields=fields)
-        if io.async_save:
-            link_of(io).note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too
+                link_of(io).note_blocked(time.perf_counter() - called)  # the save's figures count building the tree too
 
     def _split_state(self, state: dict[str, Any]) -> tuple[str, nn.Module, ZeroEngine | None]:
         """The key, module and engine (None: a module set up without optimizers) of the one module in ``state``;

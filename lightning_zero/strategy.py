@@ -473,9 +473,10 @@ class ZeroLowLevelStrategy(DDPStrategy):
             called = time.perf_counter()
             # Without optimizer state (save_weights_only, a save outside fit) the file DDP writes, in every mode
             # ([Note: model-only saves] in checkpoint/lightning/lightning_tree.py).
-            tree = (entry.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
-                    if with_optimizer else entry.plain_tree(checkpoint, module, self._engine))
-            io.save_checkpoint(tree, filepath, storage_options)
+            with entry.link_of(io).building_a_save():  # [Note: the collector and a save's objects] in checkpoint/saver.py
+                tree = (entry.build_tree(checkpoint, module, self._engine, io.mode, self._saved_meta())
+                        if with_optimizer else entry.plain_tree(checkpoint, module, self._engine))
+                io.save_checkpoint(tree, filepath, storage_options)
             if entry.holds_module_parameters(tree):
                 # A full file holds the module's own parameters, which the hooks that run before the next
                 # step may change in place (SWA puts its average in at train end): its copy ends here.

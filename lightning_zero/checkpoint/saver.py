@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,15 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     team = make_team(process_group, coordinator_rank)
     checkpoint_mode.check_save(team, plain)
     loc = storage.resolve(checkpoint_id, storage_options)
+    tuning = tuning or DEFAULT_TUNING
+    with process.gc_paused(tuning.pause_gc and tier is None):  # [Note: the collector and a save's objects]
+        _queue(state_dict, loc, checkpoint_mode, team, called, marker_fields, tuning, tier, plain, live)
+
+
+def _queue(state_dict: dict[str, Any], loc: Location, checkpoint_mode: CheckpointMode, team: Team, called: float,
+           marker_fields: dict[str, Any] | None, tuning: CheckpointTuning, tier: TierSave | None, plain: bool,
+           live: bool) -> None:
+    """:func:`async_save` once its arguments are checked: the save's objects made and its job queued."""
     # A local rank file of many small CPU tensors: its layout, built here once ([Note: pack plans] in packed.py).
     layout = checkpointer().stager.plan(state_dict) if checkpoint_mode.plans_layout and tier is None else None
     # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
@@ -87,9 +97,16 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     ready = ready_event(snapshot) if layout is None else None
     step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
     stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning or DEFAULT_TUNING, ready, stats, called,
+    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning, ready, stats, called,
                    tier=tier, plain=plain, layout=layout, live=live and tier is None)
-    checkpointer().submit(loc.url, job.run, stats)
+    job.resume_gc = process.pause_gc(tuning.pause_gc and tier is None)  # ends with the job, on its thread
+    try:
+        checkpointer().submit(loc.url, job.run, stats, on_end=job.resume_gc)
+    except CheckpointSaveError:
+        raise  # the previous save's failure, raised once this job is queued: the job ends the pause
+    except BaseException:
+        job.resume_gc()  # not queued
+        raise
     stats.blocked_s = time.perf_counter() - called
 
 
@@ -197,20 +214,28 @@ class _SaveJob:
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
     layout: packed.PackPlan | None = None  # local only: staging fills it ([Note: pack plans] in packed.py)
     live: bool = False  # the caller waits for the save: no host copy of what it can write as it is
+    resume_gc: Callable[[], None] | None = None  # ends the collector's pause async_save took for this job
 
     def run(self, staged: threading.Event) -> None:
         # [Note: the collector and a save's objects] A save makes thousands of objects for a tree of many small
-        # tensors (its staged copy, DCP's plans, write results and .metadata), alive until it ends. A collection
-        # set off while they live walks them and moves them into the older generations, whose growth sets off
-        # full collections of the process's whole heap (hundreds of ms under torch and Lightning), on whichever
-        # thread allocates next. So the collector is paused for the job, process-wide, and resumed at its end,
-        # once the staged copy is dropped: from staging to commit, or for a tiered save its durable phase only
-        # (the local tier keeps its staged copy between saves, and its replication may wait long on peers).
-        # Meanwhile the training thread's cyclic garbage waits for the next collection, which the gaps between
-        # jobs give it; a job that hangs in a collective holds the pause until the process group's timeout.
-        # ``CheckpointTuning.pause_gc`` turns it off. [Note: no collections while planning] in dcp/adapter.py.
-        with process.gc_paused(self.tuning.pause_gc and self.tier is None):
+        # tensors (the tree the front end builds, its layout or staged copy, DCP's plans, write results and
+        # .metadata), alive until it ends. A collection set off while they live walks them and moves them into
+        # the older generations, whose growth sets off full collections of the process's whole heap (hundreds of
+        # ms under torch and Lightning) every few saves, on whichever thread allocates next: the training thread.
+        # So the collector is paused, process-wide, from the save hook's first object to the job's end, once the
+        # staged copy is dropped: the front end's hook (the strategy's ``save_checkpoint``, Fabric's ``save``)
+        # pauses it while it builds the tree, :func:`async_save` takes the job's own pause on the training thread
+        # before the hook's ends, and the job ends it on its thread (or the job's future does, for a job that
+        # never ran). A tiered save pauses its durable phase only (the local tier keeps its staged copy between
+        # saves, and its replication may wait long on peers). Meanwhile the training thread's cyclic garbage
+        # waits for the next collection, which the gaps between saves give it; a job that hangs in a collective
+        # holds the pause until the process group's timeout. ``CheckpointTuning.pause_gc`` turns it off.
+        # [Note: no collections while planning] in dcp/adapter.py; [Note: no closure cycles on a save's path].
+        resume = self.resume_gc or process.pause_gc(self.tuning.pause_gc and self.tier is None)
+        try:
             self._run(staged)
+        finally:
+            resume()
 
     def _run(self, staged: threading.Event) -> None:
         try:

@@ -188,3 +188,35 @@ def test_lightning_zero_convert_writes_a_fabric_checkpoint_as_the_file_fabric_s_
     _equal({k: v for k, v in content["model"].items() if k in saved_params}, saved_params, f"{mode} converted")
     assert content["step"] == SAVE_AT and "state_dict" not in content
     assert content["optimizer"]["state"], "the converted file holds the optimizer state"
+
+
+def test_fabric_save_builds_its_tree_with_the_collector_paused(
+        tmp_path: Path, in_process_trainer_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the collector and a save's objects] in checkpoint/saver.py: ``fabric.save`` builds its tree with the
+    collector paused (its objects live until the save's job ends); the collector is on again once the save is done."""
+    import gc
+
+    from lightning.fabric import Fabric
+
+    import lightning_zero.fabric as zero_fabric
+    from lightning_zero import ZeroCheckpointIO
+
+    seen = []
+    fabric_tree = zero_fabric.fabric_tree
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return fabric_tree(*args, **kwargs)
+
+    monkeypatch.setattr(zero_fabric, "fabric_tree", recording)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=zero_fabric.ZeroLowLevelStrategy(stage=2),
+                    plugins=[ZeroCheckpointIO(mode="local", async_save=True)])
+    fabric.launch()
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.randn(3, 4)).sum())
+    optimizer.step()
+    fabric.save(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer})
+    fabric.strategy.teardown()  # Fabric never calls it: the save is finalized here
+    assert seen == [False]
+    assert gc.isenabled()

@@ -31,7 +31,13 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from lightning_zero import _compat
 from lightning_zero.checkpoint.formats.tree import FlatShard

@@ -48,32 +48,40 @@ def _skeleton(tree: Any, place: Callable[[Tensor, list[Any], list[Any] | None], 
     """``tree`` with each tensor and :class:`FlatShard` leaf handed to ``place(tensor, path, shard)`` (``shard``:
     the FlatShard's shape, rank, world_size, replicas, replica_rank) and left out as None, every other leaf to
     ``other``. Raises ``_NotPackable`` for what the packed index cannot name: a tensor inside a tuple, a dict key
-    that is not exactly a str or an int."""
+    that is not exactly a str or an int.
 
-    def visit(node: Any, path: list[Any], in_tuple: bool) -> Any:
-        if isinstance(node, FlatShard):
-            if in_tuple:
-                raise _NotPackable
-            place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
-            return None
-        if isinstance(node, Tensor):
-            if in_tuple:
-                raise _NotPackable
-            place(node, path, None)
-            return None
-        if isinstance(node, dict):
-            if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
-                raise _NotPackable
-            return {key: visit(value, [*path, key], in_tuple) for key, value in node.items()}
-        if isinstance(node, list):
-            return [visit(value, [*path, i], in_tuple) for i, value in enumerate(node)]
-        if isinstance(node, tuple):
-            return tuple(visit(value, [*path, i], True) for i, value in enumerate(node))
-        if other is not None:
-            other(node, path)
-        return node
+    [Note: no closure cycles on a save's path] A recursive function nested in another refers to itself through
+    its closure, a reference cycle that keeps it, and whatever its closure holds (here ``place``, and through it
+    the index rows of every tensor of the tree), alive after the call until the cyclic collector finds it: at
+    every save, thousands of objects that then move into the collector's oldest generation and set off a full
+    collection of the process's heap every few saves (hundreds of ms, on the training thread). The walk is a
+    module function, handed what it needs."""
+    return _visit(tree, [], False, place, other)
 
-    return visit(tree, [], False)
+
+def _visit(node: Any, path: list[Any], in_tuple: bool, place: Callable[[Tensor, list[Any], list[Any] | None], None],
+           other: Callable[[Any, list[Any]], None] | None) -> Any:
+    if isinstance(node, FlatShard):
+        if in_tuple:
+            raise _NotPackable
+        place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
+        return None
+    if isinstance(node, Tensor):
+        if in_tuple:
+            raise _NotPackable
+        place(node, path, None)
+        return None
+    if isinstance(node, dict):
+        if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
+            raise _NotPackable
+        return {key: _visit(value, [*path, key], in_tuple, place, other) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_visit(value, [*path, i], in_tuple, place, other) for i, value in enumerate(node)]
+    if isinstance(node, tuple):
+        return tuple(_visit(value, [*path, i], True, place, other) for i, value in enumerate(node))
+    if other is not None:
+        other(node, path)
+    return node
 
 
 def pack(tree: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from typing_extensions import override
 from lightning_zero import _compat
 from lightning_zero.checkpoint import saver
 from lightning_zero.checkpoint.modes import Mode, mode_named
+from lightning_zero.checkpoint.runtime import process
 from lightning_zero.checkpoint.runtime.scheduler import CheckpointSaveError, checkpointer
 from lightning_zero.checkpoint.runtime.stats import SaveStats, TierLoad, process_started_at
 from lightning_zero.checkpoint.runtime.team import set_up_coordination
@@ -194,7 +196,7 @@ class ZeroCheckpointIO(CheckpointIO):
 class StrategyLink:
     """What the front ends ask of one :class:`ZeroCheckpointIO`, and the state only they write ([Note: the
     plugin's two faces]). Callers: ZeroLowLevelStrategy and its Fabric twin (:meth:`set_up`,
-    :meth:`wait_for_staging`, :meth:`note_blocked`, :meth:`count_claims_as_taken`, :meth:`release`), Lightning's fixes
+    :meth:`building_a_save`, :meth:`wait_for_staging`, :meth:`note_blocked`, :meth:`count_claims_as_taken`, :meth:`release`), Lightning's fixes
     (:meth:`place`, :meth:`tier_root`, :meth:`offer_last`, :meth:`link`), the resume (:meth:`resolve_last`,
     :meth:`record_load`) and ``CheckpointMetrics`` (:meth:`record_first_step`)."""
 
@@ -230,6 +232,11 @@ class StrategyLink:
         """(every rank, after the last save was finalized) End the worker thread, the staging buffers and the
         coordination group (the next save or load makes them again)."""
         saver.release()
+
+    def building_a_save(self) -> AbstractContextManager[None]:
+        """(training thread) While a front end's save hook builds the tree and queues it: the collector paused
+        ([Note: the collector and a save's objects] in checkpoint/saver.py)."""
+        return process.gc_paused(self._io.tuning.pause_gc)
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied its tensors: the optimizer's pre-update fence."""

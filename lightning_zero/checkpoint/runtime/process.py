@@ -39,7 +39,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,19 +128,38 @@ def reset() -> None:
 def gc_paused(enabled: bool = True) -> Iterator[None]:
     """Python's cyclic garbage collector off while inside (any thread; nested and concurrent uses nest);
     nothing when not ``enabled`` (``CheckpointTuning.pause_gc``). [Note: no collections while planning]"""
-    if not enabled:
+    resume = pause_gc(enabled)
+    try:
         yield
-        return
+    finally:
+        resume()
+
+
+def pause_gc(enabled: bool = True) -> Callable[[], None]:
+    """The collector paused from now (as :func:`gc_paused`, which nests with it) until the returned function is
+    called, from any thread; calling it again does nothing. A save's pause taken on the training thread ends on
+    the save's own ([Note: the collector and a save's objects] in saver.py)."""
+    if not enabled:
+        return _no_pause
     current = _STATE
     with current.gc_lock:
         if current.gc_pauses == 0:
             current.gc_was_enabled = gc.isenabled()
             gc.disable()
         current.gc_pauses += 1
-    try:
-        yield
-    finally:
+    open_ = [True]
+
+    def resume() -> None:
         with current.gc_lock:
+            if not open_[0]:
+                return
+            open_[0] = False
             current.gc_pauses -= 1
             if current.gc_pauses == 0 and current.gc_was_enabled:
                 gc.enable()
+
+    return resume
+
+
+def _no_pause() -> None:
+    pass

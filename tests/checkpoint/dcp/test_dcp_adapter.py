@@ -304,13 +304,15 @@ def test_planning_and_metadata_unpickling_run_with_the_collector_paused(monkeypa
 @pytest.mark.parametrize("pause_gc", [True, False])
 def test_a_save_runs_with_the_collector_paused_until_its_staged_copy_is_gone(
         one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, pause_gc: bool) -> None:
-    # [Note: the collector and a save's objects] in saver.py: staging, the write and the commit all run paused; the
+    # [Note: the collector and a save's objects] in saver.py: what async_save builds on the caller's thread (a local
+    # rank file's layout, a sharded save's containers), staging, the write and the commit all run paused; the
     # collector is on again once the job is over; CheckpointTuning(pause_gc=False) leaves it alone.
     import gc
     import weakref
 
-    from lightning_zero.checkpoint import CheckpointTuning, async_save, maybe_finalize_async_calls
+    from lightning_zero.checkpoint import CheckpointTuning, async_save, maybe_finalize_async_calls, saver
     from lightning_zero.checkpoint.formats.tree import walk
+    from lightning_zero.checkpoint.runtime.staging import Stager
     from lightning_zero.checkpoint.saver import _SaveJob
 
     seen: dict[str, bool] = {}
@@ -327,12 +329,24 @@ def test_a_save_runs_with_the_collector_paused_until_its_staged_copy_is_gone(
         seen["write"] = gc.isenabled()
         write(self)
 
+    plan, map_leaves = Stager.plan, saver.map_leaves
+
+    def recording_plan(self: Stager, tree: Any) -> Any:
+        seen["queue"] = gc.isenabled()
+        return plan(self, tree)
+
+    def recording_map_leaves(tree: Any, fn: Any) -> Any:
+        seen["queue"] = gc.isenabled()
+        return map_leaves(tree, fn)
+
     monkeypatch.setattr(_SaveJob, "stage", recording_stage)
     monkeypatch.setattr(_SaveJob, "write", recording_write)
+    monkeypatch.setattr(Stager, "plan", recording_plan)
+    monkeypatch.setattr(saver, "map_leaves", recording_map_leaves)
     state = {f"w{i}": torch.full((4, 4), float(i)) for i in range(80)}
     async_save(state, str(tmp_path / "c.ckpt"), mode=mode, tuning=CheckpointTuning(pause_gc=pause_gc))  # a copy
     maybe_finalize_async_calls(blocking=True)
-    assert seen == {"stage": not pause_gc, "write": not pause_gc}
+    assert seen == {"queue": not pause_gc, "stage": not pause_gc, "write": not pause_gc}
     assert gc.isenabled()
     assert staged_copy[0]() is None  # the staged copy was dropped, not left for the collector
     loaded = {key: torch.zeros(4, 4) for key in state}

@@ -96,3 +96,32 @@ def test_prog_bar_shows_the_newest_saves_blocked_and_commit_times(tmp_path: Path
     assert sum(isinstance(c, CheckpointMetrics) for c in trainer.callbacks) == 1  # the strategy added none
     shown = trainer.progress_bar_metrics
     assert shown["ckpt_blocked_ms"] > 0 and shown["ckpt_commit_ms"] > 0
+
+
+def test_the_strategys_save_hook_builds_its_tree_with_the_collector_paused(
+        tmp_path: Path, in_process_trainer_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: the collector and a save's objects] in checkpoint/saver.py: the tree ModelCheckpoint's save builds on
+    the training thread is made with the collector paused (its objects live until the save's job ends), and the
+    collector is on again after the fit's saves."""
+    import gc
+
+    from lightning_zero.checkpoint.lightning import entry
+
+    seen = []
+    build_tree = entry.build_tree
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(gc.isenabled())
+        return build_tree(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "build_tree", recording)  # as the strategy calls it
+    assert gc.isenabled()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=3, use_distributed_sampler=False, logger=False,
+        strategy=ZeroLowLevelStrategy(stage=2), plugins=[ZeroCheckpointIO(mode="local", async_save=True)],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(NetModule(), loader(4, 1, 1))
+    assert seen == [False, False, False]
+    assert gc.isenabled()
