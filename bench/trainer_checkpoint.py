@@ -15,7 +15,8 @@ work has the other to itself; a ModelCheckpoint every ``--every`` steps (``save_
 removes it). Per run: the mean time between ``training_step`` starts over whole save periods past the first
 (a save's whole cost, whatever its background work takes from the training thread, counts), its ratio to the
 same loop without saves under the same strategy (per round, the median taken), and save hook -> next
-``training_step`` (the training thread's own part). Side by side in one process: no saves under each strategy;
+``training_step`` (the training thread's own part), and each round's full collections of the heap during the fit
+(how many, and their seconds: a walk of every live object, on whichever thread set it off). Side by side in one process: no saves under each strategy;
 ``ZeroCheckpointIO`` async and sync in ``local`` and ``sharded`` mode under
 ``ZeroLowLevelStrategy(stage=2)``; Lightning's ``TorchCheckpointIO`` and ``AsyncCheckpointIO`` under its default
 single-device strategy. Models: ``wide`` (4 x Linear(1024, 1024), 8 tensors, compute-bound) and ``deep``
@@ -28,6 +29,7 @@ single-device strategy. Models: ``wide`` (4 x Linear(1024, 1024), 8 tensors, com
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import statistics
@@ -146,9 +148,27 @@ def summarize_periods(marks: list[tuple[str, float]], every: int) -> tuple[float
     return step, statistics.median(delays) if delays else float("nan")
 
 
-def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, float]:
-    """(mean step s, median hook -> next step s) of one run: :func:`summarize_periods` of :func:`one_rank_marks`."""
-    return summarize_periods(one_rank_marks(kind, model, steps, every, root), every)
+def one_rank_run(kind: str, model: str, steps: int, every: int, root: str) -> tuple[float, float, int, float]:
+    """(mean step s, median hook -> next step s) of one run (:func:`summarize_periods` of :func:`one_rank_marks`),
+    and its full collections of the heap: how many, and their seconds."""
+    marks = one_rank_marks(kind, model, steps, every, root)
+    full = [t for name, t in marks if name == "full_gc"]
+    return (*summarize_periods(marks, every), len(full), sum(full))
+
+
+class FullCollections:
+    """A ``gc.callbacks`` entry that adds a ``("full_gc", seconds)`` mark for each collection of the oldest
+    generation (a walk of the process's whole heap, on whichever thread set it off)."""
+
+    def __init__(self, marks: list[tuple[str, float]]) -> None:
+        self.marks, self.started = marks, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self.started = time.perf_counter()
+            else:
+                self.marks.append(("full_gc", time.perf_counter() - self.started))
 
 
 def one_rank_marks(kind: str, model: str, steps: int, every: int, root: str) -> list[tuple[str, float]]:
@@ -180,7 +200,12 @@ def one_rank_marks(kind: str, model: str, steps: int, every: int, root: str) -> 
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=saves, callbacks=callbacks,
                       strategy=strategy, plugins=plugins)
-    trainer.fit(module, DataLoader(data, batch_size=8))
+    collections = FullCollections(module.marks)
+    gc.callbacks.append(collections)
+    try:
+        trainer.fit(module, DataLoader(data, batch_size=8))
+    finally:
+        gc.callbacks.remove(collections)
     return module.marks
 
 
@@ -200,22 +225,23 @@ def one_rank_table(every: int, steps: int, rounds: int, models: list[str], runs:
     warnings.filterwarnings("ignore")
     print(f"One rank, one intra-op thread (OMP_NUM_THREADS=1), a save every {every} step(s), {steps} steps,"
           f" median of {rounds} rounds; load {os.getloadavg()[0]:.1f}")
-    print("| model | run | step ms | vs its strategy's no saves | hook -> step ms |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| model | run | step ms | vs its strategy's no saves | hook -> step ms | full collections: n, s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as root:
         for model in models:
-            results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in runs}
+            results: dict[str, list[tuple[float, float, int, float]]] = {kind: [] for kind in runs}
             for _ in range(rounds):  # rounds interleaved: drift in the machine's load hits every run alike
                 for kind in runs:
                     results[kind].append(one_rank_run(kind, model, steps, every, root))
             for kind, rows in results.items():
-                step = statistics.median(s for s, _ in rows)
-                delay = statistics.median(d for _, d in rows)
+                step = statistics.median(row[0] for row in rows)
+                delay = statistics.median(row[1] for row in rows)
                 base = results.get(baseline_of(kind))
                 # The ratio of each round to the same round's baseline, then the median: drift between rounds cancels.
-                ratio = statistics.median(s / b for (s, _), (b, _) in zip(rows, base)) if base else float("nan")
+                ratio = statistics.median(a[0] / b[0] for a, b in zip(rows, base)) if base else float("nan")
+                full = "/".join(f"{n}, {seconds:.2f}" for _, _, n, seconds in rows)  # each round's
                 print(f"| {model} | {kind} | {1e3 * step:.1f} | {ratio:.2f}x |"
-                      f" {'' if kind.endswith('no saves') else f'{1e3 * delay:.1f}'} |", flush=True)
+                      f" {'' if kind.endswith('no saves') else f'{1e3 * delay:.1f}'} | {full} |", flush=True)
 
 
 def main() -> None:

@@ -182,7 +182,12 @@ def dcp_save_tensors(state_dict: dict[str, Any], storage_writer: Any, planner: A
         return _write_result_rows(writes.value())
 
     def finish_checkpoint(all_results: list[Any]) -> bool:
-        storage_writer.finish(metadata=global_metadata, results=[_write_results(rows) for rows in all_results])
+        try:
+            storage_writer.finish(metadata=global_metadata, results=[_write_results(rows) for rows in all_results])
+        finally:
+            # The records of this save's items, set on a ``.metadata`` DCP keeps cached for the next save, which
+            # sets its own: dropped now rather than kept alive into the collector's old generation until then.
+            global_metadata.storage_data = None
         return True
 
     dist_w.all_reduce("write", write_data, finish_checkpoint)

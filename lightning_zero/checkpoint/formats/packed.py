@@ -193,7 +193,7 @@ def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
     buffer_of: dict[torch.dtype, int] = {}
     sources: list[list[Tensor]] = []
     sizes: list[int] = []
-    rows: list[list[Any]] = []
+    rows: list[tuple[Any, ...]] = []
     checked: list[tuple[str, bytes]] = []
     shard_sizes: list[int] = []  # of the first flat shard, as ``tree.shard_group_size_of`` reads it
 
@@ -213,7 +213,10 @@ def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
             sizes[buffer] += numel
         if shard is not None and not shard_sizes:
             shard_sizes.append(shard[2])  # the shard's world_size
-        rows.append([path, slot[0], slot[1], numel, list(tensor.shape), shard])
+        # Tuples of plain values, which the collector stops tracking: the rows are kept until the next save's plan
+        # compares with them ([Note: the collector and a save's objects] in checkpoint/saver.py).
+        rows.append((tuple(path), slot[0], slot[1], numel, tuple(tensor.shape),
+                     None if shard is None else (tuple(shard[0]), *shard[1:])))
 
     def other(node: Any, path: list[Any]) -> None:
         if isinstance(node, (bytes, bytearray)):
