@@ -81,32 +81,24 @@ def async_save(state_dict: dict[str, Any], checkpoint_id: str, *, mode: Mode = "
     loc = storage.resolve(checkpoint_id, storage_options)
     tuning = tuning or DEFAULT_TUNING
     with process.gc_paused(tuning.pause_gc and tier is None):  # [Note: the collector and a save's objects]
-        _queue(state_dict, loc, checkpoint_mode, team, called, marker_fields, tuning, tier, plain, live)
-
-
-def _queue(state_dict: dict[str, Any], loc: Location, checkpoint_mode: CheckpointMode, team: Team, called: float,
-           marker_fields: dict[str, Any] | None, tuning: CheckpointTuning, tier: TierSave | None, plain: bool,
-           live: bool) -> None:
-    """:func:`async_save` once its arguments are checked: the save's objects made and its job queued."""
-    # A local rank file of many small CPU tensors: its layout, built here once ([Note: pack plans] in packed.py).
-    layout = checkpointer().stager.plan(state_dict) if checkpoint_mode.plans_layout and tier is None else None
-    # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
-    snapshot = layout.skeleton if layout is not None else map_leaves(state_dict, lambda leaf: leaf)
-    fields = dict(marker_fields or {})
-    # The copy is ordered after the kernels that produced the state (a plan holds CPU tensors only).
-    ready = ready_event(snapshot) if layout is None else None
-    step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
-    stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
-    job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning, ready, stats, called,
-                   tier=tier, plain=plain, layout=layout, live=live and tier is None)
-    job.resume_gc = process.pause_gc(tuning.pause_gc and tier is None)  # ends with the job, on its thread
-    try:
-        checkpointer().submit(loc.url, job.run, stats, on_end=job.resume_gc)
-    except CheckpointSaveError:
-        raise  # the previous save's failure, raised once this job is queued: the job ends the pause
-    except BaseException:
-        job.resume_gc()  # not queued
-        raise
+        # A local rank file of many small CPU tensors: its layout, built here once ([Note: pack plans] in packed.py).
+        layout = checkpointer().stager.plan(state_dict) if checkpoint_mode.plans_layout and tier is None else None
+        # New containers, same leaves: the caller may rebuild or mutate its dicts once we return.
+        snapshot = layout.skeleton if layout is not None else map_leaves(state_dict, lambda leaf: leaf)
+        fields = dict(marker_fields or {})
+        # The copy is ordered after the kernels that produced the state (a plan holds CPU tensors only).
+        ready = ready_event(snapshot) if layout is None else None
+        step = fields.get("global_step", state_dict.get("global_step"))  # a full-mode tree is Lightning's own dict
+        stats = SaveStats(loc.url, checkpoint_mode.name, step=step if isinstance(step, int) else None)
+        job = _SaveJob(snapshot, loc, checkpoint_mode, team, fields, tuning, ready, stats, called,
+                       tier=tier, plain=plain, layout=layout, live=live and tier is None)
+        try:
+            checkpointer().submit(loc.url, job.run, stats)
+        except CheckpointSaveError:
+            raise  # the previous save's failure, raised once this job is queued: the job ends its pause
+        except BaseException:
+            job.resume_gc()  # not queued
+            raise
     stats.blocked_s = time.perf_counter() - called
 
 
@@ -214,7 +206,12 @@ class _SaveJob:
     plain: bool = False  # full only: the file without the integrity header ([Note: model-only saves])
     layout: packed.PackPlan | None = None  # local only: staging fills it ([Note: pack plans] in packed.py)
     live: bool = False  # the caller waits for the save: no host copy of what it can write as it is
-    resume_gc: Callable[[], None] | None = None  # ends the collector's pause async_save took for this job
+    resume_gc: Callable[[], None] = field(init=False)  # ends this job's collector pause, taken when it is made
+
+    def __post_init__(self) -> None:
+        # On the caller's thread, inside the pause of the hook that built the state: [Note: the collector and a
+        # save's objects] below.
+        self.resume_gc = process.pause_gc(self.tuning.pause_gc and self.tier is None)
 
     def run(self, staged: threading.Event) -> None:
         # [Note: the collector and a save's objects] A save makes thousands of objects for a tree of many small
@@ -224,18 +221,16 @@ class _SaveJob:
         # ms under torch and Lightning) every few saves, on whichever thread allocates next: the training thread.
         # So the collector is paused, process-wide, from the save hook's first object to the job's end, once the
         # staged copy is dropped: the front end's hook (the strategy's ``save_checkpoint``, Fabric's ``save``)
-        # pauses it while it builds the tree, :func:`async_save` takes the job's own pause on the training thread
-        # before the hook's ends, and the job ends it on its thread (or the job's future does, for a job that
-        # never ran). A tiered save pauses its durable phase only (the local tier keeps its staged copy between
+        # pauses it while it builds the tree, the job takes its own pause when :func:`async_save` makes it on the
+        # training thread, before the hook's ends, and ends it on its own thread. A tiered save pauses its durable phase only (the local tier keeps its staged copy between
         # saves, and its replication may wait long on peers). Meanwhile the training thread's cyclic garbage
         # waits for the next collection, which the gaps between saves give it; a job that hangs in a collective
         # holds the pause until the process group's timeout. ``CheckpointTuning.pause_gc`` turns it off.
         # [Note: no collections while planning] in dcp/adapter.py; [Note: no closure cycles on a save's path].
-        resume = self.resume_gc or process.pause_gc(self.tuning.pause_gc and self.tier is None)
         try:
             self._run(staged)
         finally:
-            resume()
+            self.resume_gc()
 
     def _run(self, staged: threading.Event) -> None:
         try:

@@ -251,7 +251,7 @@ class ReplicaGroups:
         this step's quorum is in, maybe before this group's training thread has read it: after a discarded step, the
         batches are fetched with this very quorum, whatever ``data_quorum`` says yet."""
         quorum = _torchft_quorum_now(self.manager)
-        fetched_by = quorum if self._split_by_this_quorum else self.data_quorum
+        fetched_by = self._fetched_by(quorum)
         return {"data_quorum": None if fetched_by is None else dataclasses.astuple(fetched_by),
                 "splits": self._splits_as_fetched(quorum)}
 
@@ -263,11 +263,15 @@ class ReplicaGroups:
         if self._deciding and not self._source_splits:  # a heal inside the step: before the group's answer
             self.manager.report_error(self._split_changed("the group this rank healed from"))
 
+    def _fetched_by(self, quorum: DataQuorum) -> DataQuorum | None:
+        """The split this step's batches were fetched with, ``quorum`` being this step's ([Note: data quorum]):
+        after a discarded step they waited for ``quorum`` itself, whether or not ``data_quorum`` says so yet."""
+        return quorum if self._split_by_this_quorum else self.data_quorum
+
     def _splits_as_fetched(self, quorum: DataQuorum) -> bool:
-        """Whether this step's ``quorum`` splits the batches as they were fetched ([Note: data quorum])."""
-        if self._split_by_this_quorum or self.data_quorum is None:
-            return True
-        return quorum.splits_like(self.data_quorum)
+        """Whether this step's ``quorum`` splits the batches as they were fetched."""
+        fetched_by = self._fetched_by(quorum)
+        return fetched_by is None or quorum.splits_like(fetched_by)
 
     def _split_changed(self, who: str) -> RuntimeError:
         return RuntimeError(f"the quorum changed: {who} fetched this step's batches for another split of the groups"

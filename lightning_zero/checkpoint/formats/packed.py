@@ -39,14 +39,19 @@ from lightning_zero.checkpoint.formats.tree import FlatShard
 PACKED_KEY = "lightning_zero_packed"
 
 
+Keys = tuple[Any, ...]
+"""A leaf's keys from the root: str dict keys and int list indexes."""
+
+
 class _NotPackable(Exception):
     pass
 
 
-def _skeleton(tree: Any, place: Callable[[Tensor, list[Any], list[Any] | None], None],
-              other: Callable[[Any, list[Any]], None] | None = None) -> Any:
+def _skeleton(tree: Any, place: Callable[[Tensor, Keys, tuple[Any, ...] | None], None],
+              other: Callable[[Any, Keys], None] | None = None) -> Any:
     """``tree`` with each tensor and :class:`FlatShard` leaf handed to ``place(tensor, path, shard)`` (``shard``:
-    the FlatShard's shape, rank, world_size, replicas, replica_rank) and left out as None, every other leaf to
+    the FlatShard's shape, rank, world_size, replicas, replica_rank; ``path`` and ``shard`` tuples of plain values,
+    which the collector stops tracking, so that rows made of them may be kept) and left out as None, every other leaf to
     ``other``. Raises ``_NotPackable`` for what the packed index cannot name: a tensor inside a tuple, a dict key
     that is not exactly a str or an int.
 
@@ -56,15 +61,15 @@ def _skeleton(tree: Any, place: Callable[[Tensor, list[Any], list[Any] | None], 
     every save, thousands of objects that then move into the collector's oldest generation and set off a full
     collection of the process's heap every few saves (hundreds of ms, on the training thread). The walk is a
     module function, handed what it needs."""
-    return _visit(tree, [], False, place, other)
+    return _visit(tree, (), False, place, other)
 
 
-def _visit(node: Any, path: list[Any], in_tuple: bool, place: Callable[[Tensor, list[Any], list[Any] | None], None],
-           other: Callable[[Any, list[Any]], None] | None) -> Any:
+def _visit(node: Any, path: Keys, in_tuple: bool, place: Callable[[Tensor, Keys, tuple[Any, ...] | None], None],
+           other: Callable[[Any, Keys], None] | None) -> Any:
     if isinstance(node, FlatShard):
         if in_tuple:
             raise _NotPackable
-        place(node.local, path, [list(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank])
+        place(node.local, path, (tuple(node.shape), node.rank, node.world_size, node.replicas, node.replica_rank))
         return None
     if isinstance(node, Tensor):
         if in_tuple:
@@ -74,11 +79,11 @@ def _visit(node: Any, path: list[Any], in_tuple: bool, place: Callable[[Tensor, 
     if isinstance(node, dict):
         if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
             raise _NotPackable
-        return {key: _visit(value, [*path, key], in_tuple, place, other) for key, value in node.items()}
+        return {key: _visit(value, (*path, key), in_tuple, place, other) for key, value in node.items()}
     if isinstance(node, list):
-        return [_visit(value, [*path, i], in_tuple, place, other) for i, value in enumerate(node)]
+        return [_visit(value, (*path, i), in_tuple, place, other) for i, value in enumerate(node)]
     if isinstance(node, tuple):
-        return tuple(_visit(value, [*path, i], True, place, other) for i, value in enumerate(node))
+        return tuple(_visit(value, (*path, i), True, place, other) for i, value in enumerate(node))
     if other is not None:
         other(node, path)
     return node
@@ -91,7 +96,7 @@ def pack(tree: dict[str, Any]) -> dict[str, Any]:
     slots: dict[int, int] = {}  # storage address -> buffer
     rows: list[list[Any]] = []
 
-    def place(tensor: Tensor, path: list[Any], shard: list[Any] | None) -> None:
+    def place(tensor: Tensor, path: Keys, shard: tuple[Any, ...] | None) -> None:
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
             raise _NotPackable
         storage = tensor.untyped_storage()
@@ -197,7 +202,7 @@ def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
     checked: list[tuple[str, bytes]] = []
     shard_sizes: list[int] = []  # of the first flat shard, as ``tree.shard_group_size_of`` reads it
 
-    def place(tensor: Tensor, path: list[Any], shard: list[Any] | None) -> None:
+    def place(tensor: Tensor, path: Keys, shard: tuple[Any, ...] | None) -> None:
         slot = slots.get(id(tensor))
         numel = tensor.numel()
         if slot is None:
@@ -215,10 +220,9 @@ def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
             shard_sizes.append(shard[2])  # the shard's world_size
         # Tuples of plain values, which the collector stops tracking: the rows are kept until the next save's plan
         # compares with them ([Note: the collector and a save's objects] in checkpoint/saver.py).
-        rows.append((tuple(path), slot[0], slot[1], numel, tuple(tensor.shape),
-                     None if shard is None else (tuple(shard[0]), *shard[1:])))
+        rows.append((path, slot[0], slot[1], numel, tuple(tensor.shape), shard))
 
-    def other(node: Any, path: list[Any]) -> None:
+    def other(node: Any, path: Keys) -> None:
         if isinstance(node, (bytes, bytearray)):
             checked.append(("/".join(str(key) for key in path), node))
 

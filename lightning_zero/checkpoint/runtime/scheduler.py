@@ -133,11 +133,9 @@ class AsyncCheckpointer:
         """The one worker: saves and removals run in submission order."""
         return self._worker
 
-    def submit(self, url: str, job: Callable[[threading.Event], Any], stats: SaveStats | None = None,
-               on_end: Callable[[], None] | None = None) -> PendingSave:
+    def submit(self, url: str, job: Callable[[threading.Event], Any], stats: SaveStats | None = None) -> PendingSave:
         """Queue ``job`` after the save in flight. A failure of that one is raised (once) only after
-        the new save is queued: one failed save must not cost the next checkpoint too. ``on_end()`` once
-        the job has ended, or was dropped without running."""
+        the new save is queued: one failed save must not cost the next checkpoint too."""
         previous_error: CheckpointSaveError | None = None
         try:
             self.finalize(blocking=True)
@@ -146,8 +144,6 @@ class AsyncCheckpointer:
         staged = threading.Event()
         _finish_at_exit.register()
         self._pending = PendingSave(url, self.executor().submit(job, staged), staged, stats=stats)
-        if on_end is not None:
-            self._pending.future.add_done_callback(lambda _: on_end())
         self._submitted_stats = stats
         if stats is not None:
             self._pending.future.add_done_callback(lambda done: self._record(done, stats))
