@@ -206,7 +206,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if not resumed:
             self._set_up_model(trainer)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            entry.link_of(self.checkpoint_io).count_claims_as_taken(trainer.checkpoint_callbacks)
+            entry.link_of(self.checkpoint_io).count_claims_as_taken(
+                trainer.checkpoint_callbacks, own_names_only=fitting and self._fault_tolerance is not None)
             if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
                 # Each save's cost reaches the user's loggers without them asking (no collective).
                 trainer.callbacks.append(CheckpointMetrics())
@@ -467,6 +468,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
             # not read since, so only in-place writes can have happened.
             self._adopt_module_writes(compare_values=not self._engine.gatherer.pending)
         if self._replica_groups is not None and self._live and not self._replica_groups.writes_checkpoints():
+            if isinstance(io, ZeroCheckpointIO):  # its name is this group's too: [Note: names under fault tolerance]
+                entry.link_of(io).claim(filepath)
             return  # one replica group writes each checkpoint; this one goes on training
         with_optimizer = entry.holds_optimizer_state(checkpoint, self._engine)
         if isinstance(io, ZeroCheckpointIO):
@@ -585,6 +588,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self._replica_groups is not None and self._live and not self._replica_groups.writes_checkpoints():
+            if isinstance(self.checkpoint_io, ZeroCheckpointIO):
+                entry.link_of(self.checkpoint_io).unclaim(filepath)
             return  # the group that writes the checkpoints removes them (ModelCheckpoint's top-k runs in every group)
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)

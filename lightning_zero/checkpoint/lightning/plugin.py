@@ -258,14 +258,19 @@ class StrategyLink:
         file exists to pick its ``-vN`` name; :meth:`count_claims_as_taken` makes it ask this too)."""
         return _claim_key(path) in self._claimed
 
-    def count_claims_as_taken(self, callbacks: list[Any]) -> None:
+    def count_claims_as_taken(self, callbacks: list[Any], own_names_only: bool = False) -> None:
         """(every rank, at setup) Make each ``ModelCheckpoint`` among ``callbacks`` count the names of saves not yet
-        committed as taken (:class:`_ClaimAwareExists`; idempotent)."""
+        committed as taken (:class:`_ClaimAwareExists`; idempotent). ``own_names_only`` (a replica group of a
+        fault-tolerant job): files other groups write from now on do not count ([Note: names under fault
+        tolerance])."""
         for callback in callbacks:
-            if isinstance(callback, ModelCheckpoint) and not isinstance(callback.__dict__.get("file_exists"),
-                                                                        _ClaimAwareExists):
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            exists = callback.__dict__.get("file_exists")
+            if not isinstance(exists, _ClaimAwareExists):
                 # Instance attribute: Lightning's method stays, the user's class is untouched.
-                callback.file_exists = _ClaimAwareExists(callback, self)  # type: ignore[method-assign]
+                exists = callback.file_exists = _ClaimAwareExists(callback, self)  # type: ignore[method-assign]
+            exists.existing = _names_in(callback) if own_names_only else None
 
     def link(self, path: Any, link_path: Any) -> None:
         """(one rank) Make ``link_path`` another name of the checkpoint at ``path`` once it has committed. With
@@ -355,10 +360,40 @@ class _ClaimAwareExists:
     def __init__(self, callback: ModelCheckpoint, link: StrategyLink) -> None:
         self.callback = callback
         self.link = link
+        self.existing: frozenset[str] | None = None  # with fault tolerance: the directory's names at setup
 
     def __call__(self, filepath: Any, trainer: Any) -> bool:
-        taken = trainer.is_global_zero and (self.link.is_claimed(filepath) or self.callback._fs.exists(filepath))
+        taken = trainer.is_global_zero and (self.link.is_claimed(filepath) or self._on_disk(filepath))
         return trainer.strategy.reduce_boolean_decision(bool(taken), all=False)
+
+    def _on_disk(self, filepath: Any) -> bool:  # fault tolerance: [Note: names under fault tolerance]
+        key, existing = _claim_key(filepath), self.existing
+        return (existing is not None and key in _state_names(self.callback)) or bool(
+            (existing is None or os.path.basename(key) in existing) and self.callback._fs.exists(filepath))
+
+
+# [Note: names under fault tolerance]
+# ModelCheckpoint runs in every replica group and names each save (``last-v1.ckpt`` for a ``last.ckpt`` in use) by
+# asking whether the file exists; one group writes, the others skip the save, and any group may become the writer,
+# so each must name as the writer does. The disk is no shared answer: a group that joined by heal in the step the
+# writer saved in got the callback's state from before that save, found the new ``last.ckpt`` on disk and named its
+# own ``last-v1.ckpt``, which it wrote once it became the writer (``last.ckpt`` went stale). So a name is taken when
+# this group claimed it (the saves it skipped too), when the callback's state names it (what a heal carries), or
+# when it was in the directory at this group's setup and still is: every group names from the job's history.
+
+
+def _names_in(callback: ModelCheckpoint) -> frozenset[str]:
+    """The names of the files in ``callback``'s directory now (none where it does not exist yet)."""
+    dirpath = callback.dirpath
+    if not dirpath or not callback._fs.isdir(dirpath):
+        return frozenset()
+    return frozenset(os.path.basename(_claim_key(name)) for name in callback._fs.ls(dirpath, detail=False))
+
+
+def _state_names(callback: ModelCheckpoint) -> set[str]:
+    """The checkpoint names ``callback``'s state holds (kept across a heal, as is all of its state)."""
+    return {_claim_key(name) for name in (callback.last_model_path, callback.best_model_path, *callback.best_k_models)
+            if name}
 
 
 def _claim_key(path: Any) -> str:

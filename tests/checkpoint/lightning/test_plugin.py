@@ -86,3 +86,54 @@ def test_the_plugins_public_methods_are_the_ones_a_user_calls() -> None:
                       "last_save_stats"}
     io = ZeroCheckpointIO()
     assert link_of(io) is link_of(io)  # one link per plugin: every front end sees the same claims and placement
+
+
+class _GroupTrainer:
+    """What ModelCheckpoint's naming and save ask of a trainer, for one replica group's rank 0; its saves
+    are skipped (another group writes) and recorded."""
+
+    is_global_zero = True
+    global_step = 5
+    loggers: list[Any] = []
+
+    def __init__(self, io: ZeroCheckpointIO) -> None:
+        self.io = io
+        self.saved: list[str] = []
+        self.strategy = self
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 (Lightning's name)
+        return decision
+
+    def save_checkpoint(self, filepath: Any, weights_only: bool = False) -> None:
+        link_of(self.io).claim(filepath)  # as ZeroLowLevelStrategy.save_checkpoint claims a skipped save
+        self.saved.append(str(filepath))
+
+
+@pytest.mark.parametrize("fault_tolerance", [True, False])
+def test_a_group_names_its_last_save_from_the_jobs_history_not_from_files_another_group_wrote_since(
+        tmp_path: Path, fault_tolerance: bool) -> None:
+    """[Note: names under fault tolerance]: a group that joined by heal in the step in which the writer saved
+    holds the callback's state from before that save; the writer's new `last.ckpt` then appears on disk. With
+    fault tolerance the joiner still names its save `last.ckpt` (so it writes there once it becomes the
+    writer); without it the name on disk is taken, as Lightning's own callback decides."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"x")  # from before this group's setup
+    io = ZeroCheckpointIO(mode="local")
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    link_of(io).count_claims_as_taken([callback], own_names_only=fault_tolerance)
+    trainer = _GroupTrainer(io)
+    (tmp_path / "last.ckpt").write_bytes(b"x")  # the writer group's save, after this group's setup
+    callback._save_last_checkpoint(trainer, {})  # type: ignore[arg-type]
+    expected = "last.ckpt" if fault_tolerance else "last-v1.ckpt"
+    assert trainer.saved == [str(tmp_path / expected)] and callback.last_model_path == str(tmp_path / expected)
+
+    callback._save_last_checkpoint(trainer, {})  # type: ignore[arg-type]  # the next save keeps its name
+    assert trainer.saved[-1] == str(tmp_path / expected)
+    exists = callback.file_exists
+    assert exists(str(tmp_path / "epoch=0-step=2.ckpt"), trainer)  # on disk at setup and still
+    assert not exists(str(tmp_path / "epoch=0-step=9.ckpt"), trainer)
+    callback.best_k_models = {str(tmp_path / "epoch=0-step=4.ckpt"): torch.tensor(1.0)}  # a heal's state
+    assert exists(str(tmp_path / "epoch=0-step=4.ckpt"), trainer) is fault_tolerance  # not on disk yet
+    (tmp_path / "epoch=0-step=2.ckpt").unlink()  # removed by the writer (its top-k)
+    assert not exists(str(tmp_path / "epoch=0-step=2.ckpt"), trainer)
