@@ -11,13 +11,14 @@ form (indices in param-group order), so plain DDP can resume from it.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_zero._compat import persistent_buffers
-from lightning_zero.checkpoint.formats.tree import FlatShard
+from lightning_zero.checkpoint.formats.tree import FlatShard, StableDict
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.grad_bucket import ShardedParam
 from lightning_zero.engine.optimizer import ZeroOptimizer
@@ -61,12 +62,14 @@ def flat_master(sp: ShardedParam, world_size: int) -> FlatShard:
 
 
 def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = False,
-                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                    meta: dict[str, Any] | None = None, stable: bool = False) -> dict[str, Any]:
     """This rank's part of the training state as a tree for :func:`~lightning_zero.checkpoint.async_save`
     (``model/<fqn>`` master shards and whole tensors, ``optimizer/<i>/state/<fqn>/<key>`` and
     ``optimizer/<i>/param_groups``, ``meta``: the layout of ``local`` and ``sharded`` checkpoints).
     ``for_load``: the tree a load fills (buffers not copied, no ``meta``). ``meta``: the module's metadata
-    (parameter dtypes, key order, tied weights), if already known (the strategy computes it once at setup)."""
+    (parameter dtypes, key order, tied weights), if already known (the strategy computes it once at setup).
+    ``stable`` (a save that only reads the tree): each optimizer's ``state`` is the previous save's object while its
+    tensors are the same ([Note: stable subtrees] in formats/tree.py)."""
     ws = engine.shard_size
     model: dict[str, Any] = {}
     # The engine's list, not module.named_parameters(): that would wait for the step's parameter
@@ -79,20 +82,48 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
         model[fqn] = b.detach() if for_load else b.detach().clone()
     optimizers = []
     for opt in engine.optimizers:
-        state: dict[str, Any] = {}
-        for sp in opt.sharded_params:
-            entry = opt.state.get(sp.master)
-            if entry:
-                # The shard's fields read once per parameter, not per state tensor: a save of a deep model
-                # builds thousands of these on the training thread.
-                fields = _shard_fields(sp, ws)
-                state[sp.fqn] = {k: FlatShard(v, *fields) if _is_sharded_state(k, v, sp) else v
-                                 for k, v in entry.items()}
+        state = _stable_state(opt, ws) if stable and not for_load else _state(opt, ws)
         optimizers.append({"state": state, "param_groups": _param_groups(opt)})
     tree: dict[str, Any] = {"model": model, "optimizer": optimizers}
     if not for_load:
         tree["meta"] = meta if meta is not None else module_meta(module)
     return tree
+
+
+def _state(opt: ZeroOptimizer, ws: int, entries: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """``opt``'s state as a tree: per parameter name, its sharded tensors as FlatShards, its scalars as they are."""
+    state: dict[str, Any] = {}
+    for sp, entry in zip(opt.sharded_params, entries or [opt.state.get(sp.master) for sp in opt.sharded_params]):
+        if entry:
+            # The shard's fields read once per parameter, not per state tensor: a save of a deep model
+            # builds thousands of these on the training thread.
+            fields = _shard_fields(sp, ws)
+            state[sp.fqn] = {k: FlatShard(v, *fields) if _is_sharded_state(k, v, sp) else v for k, v in entry.items()}
+    return state
+
+
+_STABLE: weakref.WeakKeyDictionary[ZeroOptimizer, tuple[list[Any], StableDict]] = weakref.WeakKeyDictionary()
+"""Per optimizer, the identities its newest stable state tree was built from, and the tree (which holds those
+objects, so no other object takes their ids while it is kept)."""
+
+
+def _stable_state(opt: ZeroOptimizer, ws: int) -> StableDict:
+    """:func:`_state` as the same object as the previous call's while every parameter and state value is the same
+    object ([Note: stable subtrees] in formats/tree.py): an optimizer that updates its state in place keeps it."""
+    entries = [opt.state.get(sp.master) for sp in opt.sharded_params]
+    identities: list[Any] = [ws, *map(id, opt.sharded_params)]
+    for entry in entries:
+        if entry:
+            identities += entry
+            identities += map(id, entry.values())
+        else:
+            identities.append(None)
+    kept = _STABLE.get(opt)
+    if kept is not None and kept[0] == identities:
+        return kept[1]
+    state = StableDict(_state(opt, ws, entries))
+    _STABLE[opt] = (identities, state)
+    return state
 
 
 def module_meta(module: nn.Module) -> dict[str, Any]:

@@ -35,7 +35,13 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives as comm
 from lightning_zero.engine._compat import run_at_trace_time
 from lightning_zero.engine.comm_pool import BufferPool
-from lightning_zero.engine.grad_bucket import GradBucket, PresenceCounts, ShardedParam, adopt_param_writes
+from lightning_zero.engine.grad_bucket import (
+    GradBucket,
+    OwnViews,
+    PresenceCounts,
+    ShardedParam,
+    adopt_param_writes,
+)
 from lightning_zero.engine.grad_reducer import GradReducer
 from lightning_zero.engine.optimizer import ZeroOptimizer, refuse_compiled_shape_aware_steps
 from lightning_zero.engine.optimizer_kinds import optimizer_kind
@@ -212,6 +218,7 @@ class ZeroEngine:
         self._module = module
         self.gather_group = _gather_group(self.shard_group, config, self.shard_size, group, self.layout)
         self.optimizers: list[ZeroOptimizer] = []
+        self._own_views = OwnViews()  # kept across value comparisons (saves)
         self._build(named, optimizers, kinds)
 
     def _build(self, named: list[tuple[str, nn.Parameter]], optimizers: Sequence[Optimizer], kinds: list[str]) -> None:
@@ -399,7 +406,7 @@ class ZeroEngine:
             # A written parameter was read through its module, which finished its gather; the
             # others must hold the last gather before their values are compared.
             self.finish_param_gather()
-        adopt_param_writes(self.sharded_params.values(), compare_values)
+        adopt_param_writes(self.sharded_params.values(), compare_values, self._own_views)
 
     def broadcast_buffers(self) -> None:
         """(collective over the engine's group) Rank 0's buffers on every rank: DDP's ``broadcast_buffers``

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.formats.tree import FlatShard
+from lightning_zero.checkpoint.formats.tree import FlatShard, StableDict
 
 PACKED_KEY = "lightning_zero_packed"
 
@@ -47,8 +47,13 @@ class _NotPackable(Exception):
     pass
 
 
+Stable = Callable[[StableDict, Keys], Any]
+"""What a walk does with a :class:`StableDict` it meets outside tuples instead of walking it ([Note: stable
+subtrees] in formats/tree.py)."""
+
+
 def _skeleton(tree: Any, place: Callable[[Tensor, Keys, tuple[Any, ...] | None], None],
-              other: Callable[[Any, Keys], None] | None = None) -> Any:
+              other: Callable[[Any, Keys], None] | None = None, stable: Stable | None = None) -> Any:
     """``tree`` with each tensor and :class:`FlatShard` leaf handed to ``place(tensor, path, shard)`` (``shard``:
     the FlatShard's shape, rank, world_size, replicas, replica_rank; ``path`` and ``shard`` tuples of plain values,
     which the collector stops tracking, so that rows made of them may be kept) and left out as None, every other leaf to
@@ -61,11 +66,11 @@ def _skeleton(tree: Any, place: Callable[[Tensor, Keys, tuple[Any, ...] | None],
     every save, thousands of objects that then move into the collector's oldest generation and set off a full
     collection of the process's heap every few saves (hundreds of ms, on the training thread). The walk is a
     module function, handed what it needs."""
-    return _visit(tree, (), False, place, other)
+    return _visit(tree, (), False, place, other, stable)
 
 
 def _visit(node: Any, path: Keys, in_tuple: bool, place: Callable[[Tensor, Keys, tuple[Any, ...] | None], None],
-           other: Callable[[Any, Keys], None] | None) -> Any:
+           other: Callable[[Any, Keys], None] | None, stable: Stable | None = None) -> Any:
     if isinstance(node, FlatShard):
         if in_tuple:
             raise _NotPackable
@@ -77,13 +82,15 @@ def _visit(node: Any, path: Keys, in_tuple: bool, place: Callable[[Tensor, Keys,
         place(node, path, None)
         return None
     if isinstance(node, dict):
+        if stable is not None and not in_tuple and isinstance(node, StableDict):
+            return stable(node, path)
         if not _JSON_KEYS.issuperset(map(type, node)):  # one C call, not a generator per dict
             raise _NotPackable
-        return {key: _visit(value, (*path, key), in_tuple, place, other) for key, value in node.items()}
+        return {key: _visit(value, (*path, key), in_tuple, place, other, stable) for key, value in node.items()}
     if isinstance(node, list):
-        return [_visit(value, (*path, i), in_tuple, place, other) for i, value in enumerate(node)]
+        return [_visit(value, (*path, i), in_tuple, place, other, stable) for i, value in enumerate(node)]
     if isinstance(node, tuple):
-        return tuple(_visit(value, (*path, i), True, place, other) for i, value in enumerate(node))
+        return tuple(_visit(value, (*path, i), True, place, other, stable) for i, value in enumerate(node))
     if other is not None:
         other(node, path)
     return node
@@ -188,12 +195,40 @@ class FilledPlan:
     nbytes: int
 
 
+@dataclass
+class _Walked:
+    """What a plan's walk of one :class:`StableDict` found, replayed by the next plan that meets the same object at
+    the same place ([Note: stable subtrees] in formats/tree.py)."""
+
+    node: StableDict  # held, so that no other object takes its id
+    path: Keys
+    entry: tuple[Any, ...]  # the walk's state where it entered: dtype -> buffer, buffer sizes, a shard seen
+    ids: frozenset[int]  # its tensors (none was placed before it)
+    skeleton: dict[str, Any]
+    added: list[tuple[int, list[Tensor]]]  # per buffer, its tensors in buffer order
+    exit: tuple[dict[torch.dtype, int], list[int]]  # dtype -> buffer and buffer sizes after it
+    slots: dict[int, tuple[int, int]]
+    rows: list[tuple[Any, ...]]
+    checked: list[tuple[str, bytes]]
+    shard_size: int | None  # the first flat shard's world size in it
+
+
+@dataclass
+class PlanMemo:
+    """What a plan hands the next one: its rows and JSON index, and what it found in stable subtrees."""
+
+    rows: list[tuple[Any, ...]]
+    index: bytes
+    walked: dict[int, _Walked]
+
+
 def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
-         previous: tuple[list[Any], bytes] | None = None) -> tuple[PackPlan, tuple[list[Any], bytes]] | None:
-    """(training thread) The layout of ``tree``'s packed file, and ``(rows, index)`` to pass as ``previous``
-    to the next call; None where :func:`pack` would not pack (a CUDA, sparse or tuple-held tensor, a key JSON
-    cannot name) or the tree is not many small tensors (``many_small(distinct tensors, their bytes)`` is False:
-    ``staging.many_small``)."""
+         previous: PlanMemo | None = None) -> tuple[PackPlan, PlanMemo] | None:
+    """(training thread) The layout of ``tree``'s packed file, and what to pass as ``previous`` to the next
+    call; None where :func:`pack` would not pack (a CUDA, sparse or tuple-held tensor, a key JSON cannot name) or
+    the tree is not many small tensors (``many_small(distinct tensors, their bytes)`` is False:
+    ``staging.many_small``). A :class:`StableDict` met again where the previous plan met it is not walked again
+    ([Note: stable subtrees] in formats/tree.py)."""
     slots: dict[int, tuple[int, int]] = {}  # id(tensor) -> (buffer, offset)
     buffer_of: dict[torch.dtype, int] = {}
     sources: list[list[Tensor]] = []
@@ -221,20 +256,61 @@ def plan(tree: dict[str, Any], many_small: Callable[[int, int], bool],
         # Tuples of plain values, which the collector stops tracking: the rows are kept until the next save's plan
         # compares with them ([Note: the collector and a save's objects] in checkpoint/saver.py).
         rows.append((path, slot[0], slot[1], numel, tuple(tensor.shape), shard))
+        if recording:
+            recording[-1].add(id(tensor))
 
     def other(node: Any, path: Keys) -> None:
         if isinstance(node, (bytes, bytearray)):
             checked.append(("/".join(str(key) for key in path), node))
 
+    recording: list[set[int]] = []
+    memo = previous.walked if previous is not None else {}
+    walked: dict[int, _Walked] = {}
+
+    def stable(node: StableDict, path: Keys) -> Any:
+        entry = (tuple(buffer_of.items()), tuple(sizes), bool(shard_sizes))
+        hit = memo.get(id(node))
+        if hit is not None and hit.node is node and hit.path == path and hit.entry == entry \
+                and slots.keys().isdisjoint(hit.ids):
+            for buffer, tensors in hit.added:
+                if buffer == len(sources):
+                    sources.append([])
+                sources[buffer] += tensors
+            buffer_of.update(hit.exit[0])
+            sizes[:] = hit.exit[1]
+            slots.update(hit.slots)
+            rows.extend(hit.rows)
+            checked.extend(hit.checked)
+            if hit.shard_size is not None and not shard_sizes:
+                shard_sizes.append(hit.shard_size)
+            walked[id(node)] = hit
+            return hit.skeleton
+        before = (set(slots), [len(group) for group in sources], len(rows), len(checked), len(shard_sizes))
+        recording.append(set())
+        try:
+            skeleton = _visit(node, path, False, place, other)  # a plain walk (a stable dict inside it too)
+        finally:
+            ids = recording.pop()
+        if recording:
+            recording[-1] |= ids
+        if ids.isdisjoint(before[0]):  # a replay needs none of its tensors placed before it
+            grown = [(b, group[before[1][b] if b < len(before[1]) else 0:]) for b, group in enumerate(sources)]
+            walked[id(node)] = _Walked(
+                node, path, entry, frozenset(ids), skeleton, [(b, new) for b, new in grown if new],
+                (dict(buffer_of), list(sizes)), {k: v for k, v in slots.items() if k not in before[0]},
+                rows[before[2]:], checked[before[3]:], shard_sizes[0] if len(shard_sizes) > before[4] else None)
+        return skeleton
+
     try:
-        skeleton = _skeleton(tree, place, other)
+        skeleton = _skeleton(tree, place, other, stable)
     except _NotPackable:
         return None
     nbytes = sum(size * group[0].element_size() for size, group in zip(sizes, sources))
     if not many_small(len(slots), nbytes) or PACKED_KEY in skeleton:
         return None
-    index = previous[1] if previous is not None and previous[0] == rows else json.dumps(rows).encode()
-    return PackPlan(skeleton, sources, index, checked, shard_sizes[0] if shard_sizes else None, nbytes), (rows, index)
+    index = previous.index if previous is not None and previous.rows == rows else json.dumps(rows).encode()
+    layout = PackPlan(skeleton, sources, index, checked, shard_sizes[0] if shard_sizes else None, nbytes)
+    return layout, PlanMemo(rows, index, walked)
 
 
 def fill(layout: PackPlan) -> FilledPlan:

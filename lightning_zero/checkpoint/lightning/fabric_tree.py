@@ -50,7 +50,7 @@ def fabric_tree(state: dict[str, Any], module_key: str, optimizer_keys: dict[str
         tree[module_key] = tree.pop("state_dict")
         tree.update({key: states[index] for key, index in optimizer_keys.items()})
         return tree
-    tree = engine_tree.zero_state_dict(engine, module, meta=meta)
+    tree = engine_tree.zero_state_dict(engine, module, meta=meta, stable=True)
     if not optimizer_keys:
         tree.pop("optimizer")
     if keep is not None:

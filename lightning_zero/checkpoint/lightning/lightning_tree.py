@@ -73,7 +73,8 @@ def build_tree(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine
             assert engine is not None
             tree["optimizer_states"] = engine_tree.full_optimizer_states(engine)
     else:
-        tree = engine_tree.zero_state_dict(engine, module, meta=meta) if engine is not None else _weights_tree(module)
+        tree = (engine_tree.zero_state_dict(engine, module, meta=meta, stable=True) if engine is not None
+                else _weights_tree(module))
         if "state_dict" in checkpoint:
             tree["model"] = model_after_hooks(tree["model"], checkpoint["state_dict"], module,
                                               engine.named_parameters() if engine is not None else None)

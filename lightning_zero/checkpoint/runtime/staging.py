@@ -56,16 +56,16 @@ class Stager:
     def __init__(self) -> None:
         self._host: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._index: tuple[list[Any], bytes] | None = None  # the previous plan's rows and JSON index
+        self._memo: packed.PlanMemo | None = None  # what the previous plan hands the next
 
     def plan(self, tree: dict[str, Any]) -> packed.PackPlan | None:
         """(training thread) The layout of a ``local`` rank file of ``tree`` when it is many small CPU tensors,
         reusing the previous save's index when the rows are the same ([Note: pack plans]); None otherwise (the
         tree is staged by :meth:`stage`)."""
-        planned = packed.plan(tree, many_small, self._index)
+        planned = packed.plan(tree, many_small, self._memo)
         if planned is None:
             return None
-        layout, self._index = planned
+        layout, self._memo = planned
         return layout
 
     def stage(self, tree: Any, ready: tuple[torch.cuda.Event, torch.device] | None = None, flat: bool = True,

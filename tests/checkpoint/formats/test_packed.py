@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_zero.checkpoint import CheckpointCorruptError, last_save_stats, load, save
 from lightning_zero.checkpoint.formats import integrity, packed
-from lightning_zero.checkpoint.formats.tree import FlatShard, walk
+from lightning_zero.checkpoint.formats.tree import FlatShard, StableDict, walk
 from lightning_zero.checkpoint.runtime.staging import Stager
 from lightning_zero.checkpoint.store import storage
 
@@ -158,3 +158,49 @@ def test_a_save_leaves_no_cyclic_garbage_behind(tmp_path: Path) -> None:
         if was_enabled:
             gc.enable()
     assert unreachable < 200, f"{unreachable} objects of one save were left to the cyclic collector"
+
+
+def stable_tree(state: StableDict) -> dict:
+    """A tree as the strategy builds it at each save: new containers around the optimizer state it keeps."""
+    tree = many_leaves()
+    tree["optimizer"][0]["state"] = state
+    return tree
+
+
+def plan_of(layout: packed.PackPlan) -> tuple:
+    """Everything a plan hands the writer, tensors by identity."""
+    return (layout.skeleton, [[id(t) for t in group] for group in layout.sources], layout.index, layout.checked,
+            layout.shard_group_size, layout.nbytes)
+
+
+def test_a_stable_subtree_met_again_is_not_walked_and_the_plan_is_the_one_a_fresh_walk_makes() -> None:
+    """[Note: stable subtrees]: the optimizer's state, the same object from save to save, is replayed from the
+    previous plan; everything around it (new tensors in the model part, new containers) is walked. The plan
+    is exactly what a stager that never saw the tree plans."""
+    state = StableDict({f"layer{i}.weight": {"exp_avg": FlatShard(torch.randn(64 * 64), (64, 64), 0, 2),
+                                             "step": torch.tensor(3.0), "note": b"bytes checked"} for i in range(40)})
+    stager = Stager()
+    first = stager.plan(stable_tree(state))
+    tree = stable_tree(state)
+    second = stager.plan(tree)
+    assert first is not None and second is not None
+    assert second.skeleton["optimizer"][0]["state"] is first.skeleton["optimizer"][0]["state"]  # replayed
+    fresh = Stager().plan(tree)
+    assert fresh is not None and plan_of(second) == plan_of(fresh)
+    assert second.shard_group_size == 1  # the model part's first shard comes first
+    same(packed.unpack(dict(packed.fill(second).content)), packed.unpack(dict(packed.fill(fresh).content)))
+
+    # What comes before it changed its place in the buffers: walked again, planned as a fresh walk plans.
+    tree = stable_tree(state)
+    tree["model"]["layer0.weight"] = FlatShard(torch.randn(64 * 65), (64, 65), 0, 1)
+    third = stager.plan(tree)
+    assert third is not None and third.skeleton["optimizer"][0]["state"] is not first.skeleton["optimizer"][0]["state"]
+    assert plan_of(third) == plan_of(Stager().plan(tree))  # type: ignore[arg-type]
+
+    # One of its tensors also placed before it (the same tensor twice): walked, and not kept for a replay.
+    tree = stable_tree(state)
+    tree["model"]["alias"] = state["layer1.weight"]["exp_avg"]
+    for _ in range(2):
+        kept = stager.plan(tree)
+        assert kept is not None and plan_of(kept) == plan_of(Stager().plan(tree))  # type: ignore[arg-type]
+    assert id(state) not in stager._memo.walked  # type: ignore[union-attr]

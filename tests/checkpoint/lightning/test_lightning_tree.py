@@ -24,6 +24,7 @@ from checkpoint_cases import (
 from torch import nn
 
 from lightning_zero.checkpoint import load_zero_state_dict, save, zero_state_dict
+from lightning_zero.checkpoint.formats.tree import StableDict
 from lightning_zero.checkpoint.lightning.lightning_tree import build_tree
 from lightning_zero.checkpoint.trainer_state import MARKER_FIELDS, TREE_TAG, read_trainer_state
 
@@ -87,6 +88,57 @@ def test_the_optimizer_state_is_in_the_tree_only_when_lightning_saved_it(one_ran
     key = "optimizer" if mode == "sharded" else "optimizer_states"
     assert key in build_tree(with_optimizer, model, engine, mode)
     assert key not in build_tree(weights_only, model, engine, mode)
+    engine.close()
+
+
+def test_the_optimizer_state_is_the_same_subtree_while_its_tensors_are_the_same_objects(one_rank: None) -> None:
+    """[Note: stable subtrees]: a save's tree keeps each optimizer's state object across saves while the optimizer
+    updates its tensors in place; a tensor replaced, a state entry added or a load gives a new subtree, equal to
+    the one built afresh. Without ``stable`` every call builds its own."""
+    model, engine = build(0, 1)
+    train(model, engine, range(1), 0, 1)
+    opt = engine.optimizers[0]
+
+    def state() -> Any:
+        return zero_state_dict(engine, model, stable=True)["optimizer"][0]["state"]
+
+    def fresh() -> dict[str, dict[str, Any]]:
+        return {fqn: {k: (v.local if hasattr(v, "local") else v) for k, v in entry.items()}
+                for fqn, entry in zero_state_dict(engine, model)["optimizer"][0]["state"].items()}
+
+    def same_tensors(tree: Any) -> bool:
+        live = fresh()
+        return tree.keys() == live.keys() and all(
+            (v.local if hasattr(v, "local") else v) is live[fqn][k] for fqn, entry in tree.items() for k, v in entry.items())
+
+    first = state()
+    assert isinstance(first, StableDict) and same_tensors(first)
+    assert zero_state_dict(engine, model)["optimizer"][0]["state"] is not zero_state_dict(engine, model)["optimizer"][0]["state"]
+    train(model, engine, range(1, 2), 0, 1)  # AdamW updates its moments and step in place
+    assert state() is first
+    sp = next(iter(opt.sharded_params))
+    opt.state[sp.master]["exp_avg"] = opt.state[sp.master]["exp_avg"].clone()
+    replaced = state()
+    assert replaced is not first and same_tensors(replaced) and state() is replaced
+    opt.load_state_dict(opt.state_dict())
+    loaded = state()
+    assert same_tensors(loaded)
+    engine.close()
+
+
+def test_a_save_s_value_comparison_reads_the_parameters_it_holds_now(one_rank: None) -> None:
+    """The views a value comparison keeps across saves (``grad_bucket.OwnViews``) follow a parameter's writes in
+    place, and a parameter given new storage (``p.data = ...``) is read from its new storage."""
+    model, engine = build(0, 1)
+    sp = next(iter(engine.sharded_params.values()))
+    engine.adopt_module_writes(compare_values=True)
+    with torch.no_grad():
+        sp.param.data.fill_(3.0)  # no version bump: found by comparing values
+    engine.adopt_module_writes(compare_values=True)
+    assert torch.equal(sp.master, torch.full_like(sp.master, 3.0))
+    sp.param.data = torch.full_like(sp.param, 5.0)
+    engine.adopt_module_writes(compare_values=True)
+    assert torch.equal(sp.master, torch.full_like(sp.master, 5.0))
     engine.close()
 
 
