@@ -11,7 +11,6 @@ form (indices in param-group order), so plain DDP can resume from it.
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -102,27 +101,37 @@ def _state(opt: ZeroOptimizer, ws: int, entries: list[dict[str, Any] | None] | N
     return state
 
 
-_STABLE: weakref.WeakKeyDictionary[ZeroOptimizer, tuple[list[Any], StableDict]] = weakref.WeakKeyDictionary()
-"""Per optimizer, the identities its newest stable state tree was built from, and the tree (which holds those
-objects, so no other object takes their ids while it is kept)."""
+_SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
+"""State values that cannot change inside: with tensors, the only ones a kept state tree may hold."""
 
 
-def _stable_state(opt: ZeroOptimizer, ws: int) -> StableDict:
-    """:func:`_state` as the same object as the previous call's while every parameter and state value is the same
-    object ([Note: stable subtrees] in formats/tree.py): an optimizer that updates its state in place keeps it."""
+def _stable_state(opt: ZeroOptimizer, ws: int) -> dict[str, Any]:
+    """:func:`_state` as the same :class:`StableDict` as the previous call's while every parameter is the same and
+    every state value the same tensor at the same address and shape, or the same immutable scalar ([Note: stable
+    subtrees] in formats/tree.py): an optimizer that updates its state in place keeps it. Kept on the optimizer
+    (``save_cache``, which its load and the engine drop) with the identities it was built from; the tree holds
+    those objects, so no other object takes their ids while it is kept."""
     entries = [opt.state.get(sp.master) for sp in opt.sharded_params]
     identities: list[Any] = [ws, *map(id, opt.sharded_params)]
+    kinds: set[type] = set()
     for entry in entries:
         if entry:
+            values = entry.values()
+            kinds.update(map(type, values))
             identities += entry
-            identities += map(id, entry.values())
+            identities += map(id, values)
+            identities += [(v.data_ptr(), v.shape) for v in values if isinstance(v, Tensor)]
         else:
             identities.append(None)
-    kept = _STABLE.get(opt)
+    if not all(kind in _SCALARS or issubclass(kind, Tensor) for kind in kinds):
+        opt.save_cache = None
+        return _state(opt, ws, entries)  # a container value may change inside: built afresh each save
+    kept = opt.save_cache
     if kept is not None and kept[0] == identities:
         return kept[1]
+    opt.save_cache = None  # before building: the old tree's tensors are not kept alive beside the new
     state = StableDict(_state(opt, ws, entries))
-    _STABLE[opt] = (identities, state)
+    opt.save_cache = (identities, state)
     return state
 
 

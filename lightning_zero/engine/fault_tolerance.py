@@ -559,6 +559,7 @@ def load_engine_state(engine: Any, state: dict[str, Any]) -> None:
             a.shape != b.shape for a, b in zip(state["masters"], masters, strict=True)):
         raise RuntimeError("A heal's state does not match this rank's shards: the replica groups differ in model or size.")
     torch._foreach_copy_(masters, [t.to(m.device) for t, m in zip(state["masters"], masters, strict=True)])
+    engine.drop_save_caches()  # the state's tensors are replaced
     for opt, saved in zip(engine.optimizers, state["optimizers"], strict=True):
         for index, sp in enumerate(opt.sharded_params):
             entry = saved["state"].get(index)

@@ -62,6 +62,8 @@ class ZeroOptimizer(Optimizer):
         self._shape_aware = shape_aware
         self._whole_step_group_bytes = whole_step_group_bytes
         self._release_grad_shards = release_grad_shards  # ZeroConfig.release_grad_shards
+        self.save_cache: Any = None
+        """What a save keeps of this state until the next (checkpoint/engine_tree.py); a load or the engine drops it."""
         self.groups_changed: Callable[[], None] | None = None
         """Called after ``add_param_group`` during training: the engine rebuilds its buckets (ZeroEngine.rebuild)."""
         self.bind(sharded_params, reducer, gatherer)
@@ -285,6 +287,7 @@ class ZeroOptimizer(Optimizer):
             return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.save_cache = None  # it would keep the replaced tensors alive
         with self.masters_in_groups():
             self.inner.load_state_dict(state_dict)
 

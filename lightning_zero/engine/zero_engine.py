@@ -317,6 +317,7 @@ class ZeroEngine:
         the parameters held before move to their new shards (the same even split: the same shapes).
         Gradients accumulated and not yet stepped are dropped: Lightning calls these hooks between steps."""
         self.finish_param_gather()
+        self.drop_save_caches()
         previous = dict(self.sharded_params)
         self.reducer.remove_hooks()
         _unguard_parameter_reads(self._guarded)
@@ -426,11 +427,18 @@ class ZeroEngine:
     def close(self) -> None:
         """Finish pending gathers, remove every hook and free the communication buffers."""
         self.finish_param_gather()
+        self.drop_save_caches()
         self.reducer.remove_hooks()
         _unguard_parameter_reads(self._guarded)
         self._guarded = []
         self.pool.clear()
         self._destroy_own_groups()
+
+    def drop_save_caches(self) -> None:
+        """Let go of what saves keep from one to the next (tensors a load, a rebuild or teardown replaces)."""
+        self._own_views = OwnViews()
+        for opt in self.optimizers:
+            opt.save_cache = None
 
     def _destroy_own_groups(self) -> None:
         """End the process groups this engine created (the gathers' group, the hybrid groups), once.

@@ -58,12 +58,14 @@ class StableDict(dict):  # type: ignore[type-arg]
     (and is not to be changed by whoever receives it): a save's walks may keep what they found in it.
 
     [Note: stable subtrees] A save of a model of many small parameters built the optimizer's state as a new tree
-    of thousands of leaves, and the ``local`` pack plan walked it, on the training thread at every save (about
-    10 of the 30 ms from the save hook to the next step on a model of 800 parameters). The leaves are the same
-    tensors from save to save (the optimizer updates its state in place), so the engine's tree keeps each
-    optimizer's state as one of these while its tensors are the same objects (``engine_tree.zero_state_dict``
-    checks their identities), and the pack plan replays what it found in one (``packed.plan``). Anything that
-    would change such a subtree builds a new one instead."""
+    of thousands of leaves, and the ``local`` pack plan walked it, on the training thread at every save (a third
+    of that thread's part of a save: BENCHMARKS.md, "What is the same from save to save is kept"). The leaves are
+    the same tensors from save to save (the optimizer updates its state in place), so the engine's tree keeps
+    each optimizer's state as one of these while its values are the same tensors at the same addresses and shapes,
+    or immutable scalars (``engine_tree.zero_state_dict`` checks them; a value that is a container, which could
+    change inside, makes a new tree each save), and the pack plan replays what it found in one (``packed.plan``).
+    Anything that would change such a subtree builds a new one instead. The engine drops what it keeps when it
+    loads state, rebuilds or closes, so that no replaced tensor is kept alive."""
 
     __slots__ = ()
 

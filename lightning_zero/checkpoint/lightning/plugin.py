@@ -260,9 +260,9 @@ class StrategyLink:
 
     def count_claims_as_taken(self, callbacks: list[Any], own_names_only: bool = False) -> None:
         """(every rank, at setup) Make each ``ModelCheckpoint`` among ``callbacks`` count the names of saves not yet
-        committed as taken (:class:`_ClaimAwareExists`; idempotent). ``own_names_only`` (a replica group of a
-        fault-tolerant job): files other groups write from now on do not count ([Note: names under fault
-        tolerance])."""
+        committed as taken (:class:`_ClaimAwareExists`; idempotent). ``own_names_only`` (rank 0 of a replica group
+        of a fault-tolerant job, which answers for its group): files other groups write from now on do not count
+        ([Note: names under fault tolerance])."""
         for callback in callbacks:
             if not isinstance(callback, ModelCheckpoint):
                 continue

@@ -5,7 +5,10 @@ trainer's part as one blob), and the functional resume that reads such a tree in
 
 from __future__ import annotations
 
+import copy
+import gc
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +123,27 @@ def test_the_optimizer_state_is_the_same_subtree_while_its_tensors_are_the_same_
     opt.state[sp.master]["exp_avg"] = opt.state[sp.master]["exp_avg"].clone()
     replaced = state()
     assert replaced is not first and same_tensors(replaced) and state() is replaced
-    opt.load_state_dict(opt.state_dict())
-    loaded = state()
-    assert same_tensors(loaded)
+    replaced["probe"] = None  # noqa: the kept tree is for reading; a probe that it is rebuilt below
+    with torch.no_grad():
+        opt.state[sp.master]["exp_avg"].resize_(3)  # the same tensor, another shape
+    resized = state()
+    assert "probe" not in resized and same_tensors(resized)
+    opt.state[sp.master]["exp_avg"] = torch.zeros_like(sp.master)
+
+    # A load replaces the state: the tensors kept for the saves are let go with it.
+    old = weakref.ref(opt.state[sp.master]["exp_avg_sq"])
+    del first, replaced, resized  # the test's own references to the kept trees
+    state()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert old() is None
+    assert same_tensors(state())
+
+    # A value that could change inside (a list): the state is built afresh at every save.
+    opt.state[sp.master]["history"] = [1]
+    assert type(state()) is dict and state() is not state()
     engine.close()
+    assert opt.save_cache is None
 
 
 def test_a_save_s_value_comparison_reads_the_parameters_it_holds_now(one_rank: None) -> None:
