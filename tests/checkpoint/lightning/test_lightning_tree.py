@@ -123,7 +123,7 @@ def test_the_optimizer_state_is_the_same_subtree_while_its_tensors_are_the_same_
     opt.state[sp.master]["exp_avg"] = opt.state[sp.master]["exp_avg"].clone()
     replaced = state()
     assert replaced is not first and same_tensors(replaced) and state() is replaced
-    replaced["probe"] = None  # noqa: the kept tree is for reading; a probe that it is rebuilt below
+    replaced["probe"] = None  # a probe (the kept tree is for reading only): the next tree is a new one
     with torch.no_grad():
         opt.state[sp.master]["exp_avg"].resize_(3)  # the same tensor, another shape
     resized = state()
