@@ -248,6 +248,11 @@ class GradBucket:
         shards = [EvenShard(p.numel(), self.shard_size) for _, p in named_params]
         offsets = [sum(shard.chunk for shard in shards[:i]) for i in range(len(shards))]
         self.row_numel = sum(shard.chunk for shard in shards)
+        # A row's columns, parameter by parameter ([Note: one copy a bucket]): those whose block holds no padding
+        # are moved by one foreach copy, the others one by one.
+        self.chunks = [shard.chunk for shard in shards]
+        self.exact = [j for j, shard in enumerate(shards) if shard.numel == shard.padded_numel > 0]
+        self.padded = [j for j, shard in enumerate(shards) if not shard.numel == shard.padded_numel > 0]
         master_dtype = master_dtype_for(self.dtype)
         self.master_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
         # 1D, master dtype; None between steps ([Note: gradient shards between steps]).
@@ -269,6 +274,13 @@ class GradBucket:
         if self._grad_shard is None:
             self._grad_shard = torch.zeros_like(self.master_shard)
         return self._grad_shard
+
+    def grad_shard_views(self) -> list[Tensor]:
+        """Each parameter's :attr:`ShardedParam.grad_shard`, from one split ([Note: one copy a bucket])."""
+        views = list(self.grad_shard.split(self.chunks))
+        for j in self.padded:
+            views[j] = views[j][: self.params[j].shard_numel]
+        return views
 
     @property
     def holds_grad_shard(self) -> bool:
@@ -300,10 +312,32 @@ class GradBucket:
     # ---- reduction ---------------------------------------------------------------------
 
     def pack_gradients(self, buffer: Tensor) -> None:
-        """Move every present gradient into ``buffer`` (``[ws, reduce_numel]``) and free it."""
+        """Move every present gradient into ``buffer`` (``[ws, reduce_numel]``) and free it.
+
+        [Note: one copy a bucket] Packing the gradients and copying the gathered parameters back were a few
+        tensor ops each per parameter, Python on the training thread (or the gather thread) at every step: a
+        third of the step of a model of 800 small parameters on one rank (BENCHMARKS.md, "The engine's step on
+        many small parameters"). A bucket's row is its parameters' columns in order, so one ``split`` of the
+        buffer gives every parameter's ``[shard_size, chunk]`` block, and the blocks without padding (most
+        parameters: the numel divides by the shard group's size) move in one ``_foreach_copy_``; a padded block
+        and a missing gradient take the per-parameter path."""
         # Every element is written below (padding zeroed per parameter), so the pooled buffer
         # needs no zero-fill pass; flags are device fills, never a host-to-device copy.
         flags = buffer[:, self.row_numel :]
+        grads = [sp.param.grad for sp in self.params]
+        if not any(grad is None or grad.is_sparse for grad in grads):
+            columns = buffer[:, : self.row_numel].split(self.chunks, dim=1)
+            if self.exact:
+                torch._foreach_copy_([columns[j] for j in self.exact],
+                                     [grads[j].reshape(self.shard_size, self.chunks[j]) for j in self.exact])
+            for j in self.padded:
+                comm.copy_flat_to_rows(columns[j], grads[j].reshape(-1), self.params[j].layout, zero_padding=True)
+            flags.fill_(1.0)
+            for sp in self.params:
+                sp.param.grad = None  # as below
+            if self.predivide:
+                buffer[:, : self.row_numel].div_(self.average_over)
+            return
         for j, sp in enumerate(self.params):
             grad = sp.param.grad
             rows = sp.rows(buffer)
@@ -442,7 +476,13 @@ class PendingGather:
 
     def finish(self, pool: BufferPool) -> None:
         comm.wait(self.work)  # bounded: see [Note: bounded waits] in collectives.py
+        bucket, params = self.bucket, self.bucket.params
+        columns = self.gathered.split(bucket.chunks, dim=1)  # [Note: one copy a bucket]
         with torch.no_grad():
-            for sp in self.bucket.params:
-                comm.copy_rows_to_flat(sp.param.data.view(-1), sp.rows(self.gathered), sp.layout)
+            # Through ``.data``: the engine's own write moves no autograd version ([Note: the module is the truth]).
+            if bucket.exact:
+                torch._foreach_copy_([params[j].param.data.view(bucket.shard_size, bucket.chunks[j]) for j in bucket.exact],
+                                     [columns[j] for j in bucket.exact])
+            for j in bucket.padded:
+                comm.copy_rows_to_flat(params[j].param.data.view(-1), columns[j], params[j].layout)
         pool.give_back(self.slot, self.bucket.device)

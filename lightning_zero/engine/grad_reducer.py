@@ -152,8 +152,8 @@ class GradReducer:
             self._finish_next()
         # Provisional until resolve_presence: see [Note: presence on the device] in grad_bucket.py.
         for bucket in self.buckets:
-            for sp in bucket.params:
-                sp.master.grad = sp.grad_shard
+            for sp, grad_shard in zip(bucket.params, bucket.grad_shard_views()):
+                sp.master.grad = grad_shard
             bucket.reset_backward()
         self.presence.mark_reduced()
         self._next_launch = 0
