@@ -59,7 +59,7 @@ def main() -> None:
     engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], ZeroConfig(stage=2))
     model(torch.randn(8, args.width)).pow(2).mean().backward()
     engine.optimizers[0].step()
-    tree = zero_state_dict(engine, model)
+    tree = zero_state_dict(engine, model, stable=True)  # as the strategy builds it ([Note: stable subtrees])
     root = tempfile.mkdtemp()
     loc = storage.resolve(root)
     n = args.repeats
@@ -119,7 +119,7 @@ def main() -> None:
         saver._SaveJob.run = run  # type: ignore[method-assign]
     rows.append(("[save thread] async sharded save, the whole job", 1e3 * min(job_cpu[1:])))
     meta = zero_state_dict(engine, model)["meta"]  # computed once at setup by the strategy, passed to every save
-    rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model, meta=meta), n)[0]))
+    rows.append(("[training thread] zero_state_dict", cpu_ms(lambda: zero_state_dict(engine, model, meta=meta, stable=True), n)[0]))
     rows.append(("[training thread] adopt_module_writes", cpu_ms(engine.adopt_module_writes, n)[0]))
     tensors = sum(1 for _ in integrity._checked_leaves(local.encode_shards(tree)))
     print(f"{args.depth} x Linear({args.width}, {args.width}), {tensors} tensors; CPU ms, best of {n}")

@@ -70,13 +70,9 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     ``stable`` (a save that only reads the tree): each optimizer's ``state`` is the previous save's object while its
     tensors are the same ([Note: stable subtrees] in formats/tree.py)."""
     ws = engine.shard_size
-    model: dict[str, Any] = {}
-    # The engine's list, not module.named_parameters(): that would wait for the step's parameter
-    # gathers on the training thread, and a save needs only the masters of the sharded ones.
-    for fqn, p in engine.named_parameters():
-        sp = engine.sharded_params.get(p)
-        model[fqn] = _flat(sp, sp.master, ws) if sp is not None else p.detach()
-    for fqn, b in persistent_buffers(module):  # as state_dict(): no buffer registered persistent=False
+    buffers = list(persistent_buffers(module))  # as state_dict(): no buffer registered persistent=False
+    model = _stable_params(engine, ws) if stable and not for_load and not buffers else _params(engine, ws)
+    for fqn, b in buffers:
         # Forward mutates buffers: a save copies them now, not at staging; a load fills them.
         model[fqn] = b.detach() if for_load else b.detach().clone()
     optimizers = []
@@ -87,6 +83,36 @@ def zero_state_dict(engine: ZeroEngine, module: nn.Module, for_load: bool = Fals
     if not for_load:
         tree["meta"] = meta if meta is not None else module_meta(module)
     return tree
+
+
+def _params(engine: ZeroEngine, ws: int, named: list[tuple[str, nn.Parameter]] | None = None) -> dict[str, Any]:
+    """The parameters as a tree: the master shard (FlatShard) of each the engine shards, the others whole."""
+    model: dict[str, Any] = {}
+    # The engine's list, not module.named_parameters(): that would wait for the step's parameter
+    # gathers on the training thread, and a save needs only the masters of the sharded ones.
+    for fqn, p in named if named is not None else engine.named_parameters():
+        sp = engine.sharded_params.get(p)
+        model[fqn] = _flat(sp, sp.master, ws) if sp is not None else p.detach()
+    return model
+
+
+def _stable_params(engine: ZeroEngine, ws: int) -> StableDict:
+    """:func:`_params` as the same :class:`StableDict` as the previous call's while the parameters, their shards and
+    the addresses of those held whole are the same ([Note: stable subtrees] in formats/tree.py; a module with
+    persistent buffers copies them at each save, so its model part is built afresh instead)."""
+    named = engine.named_parameters()
+    sharded = engine.sharded_params
+    identities: list[Any] = [ws]
+    for fqn, p in named:
+        sp = sharded.get(p)
+        identities += (fqn, id(p), id(sp) if sp is not None else p.data_ptr())
+    kept = engine.save_cache.get("model")
+    if kept is not None and kept[0] == identities:
+        return kept[1]
+    engine.save_cache.pop("model", None)
+    model = StableDict(_params(engine, ws, named))
+    engine.save_cache["model"] = (identities, model)
+    return model
 
 
 def _state(opt: ZeroOptimizer, ws: int, entries: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:

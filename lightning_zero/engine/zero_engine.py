@@ -218,7 +218,7 @@ class ZeroEngine:
         self._module = module
         self.gather_group = _gather_group(self.shard_group, config, self.shard_size, group, self.layout)
         self.optimizers: list[ZeroOptimizer] = []
-        self._own_views = OwnViews()  # kept across value comparisons (saves)
+        self.save_cache: dict[str, Any] = {}  # what saves keep from one to the next (drop_save_caches)
         self._build(named, optimizers, kinds)
 
     def _build(self, named: list[tuple[str, nn.Parameter]], optimizers: Sequence[Optimizer], kinds: list[str]) -> None:
@@ -407,7 +407,7 @@ class ZeroEngine:
             # A written parameter was read through its module, which finished its gather; the
             # others must hold the last gather before their values are compared.
             self.finish_param_gather()
-        adopt_param_writes(self.sharded_params.values(), compare_values, self._own_views)
+        adopt_param_writes(self.sharded_params.values(), compare_values, self.save_cache.setdefault("views", OwnViews()))
 
     def broadcast_buffers(self) -> None:
         """(collective over the engine's group) Rank 0's buffers on every rank: DDP's ``broadcast_buffers``
@@ -436,7 +436,7 @@ class ZeroEngine:
 
     def drop_save_caches(self) -> None:
         """Let go of what saves keep from one to the next (tensors a load, a rebuild or teardown replaces)."""
-        self._own_views = OwnViews()
+        self.save_cache.clear()
         for opt in self.optimizers:
             opt.save_cache = None
 

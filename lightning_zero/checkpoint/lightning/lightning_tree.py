@@ -164,6 +164,10 @@ def model_after_hooks(model: dict[str, Any], state_dict: dict[str, Any], module:
             edited.setdefault(fqn, model[fqn])
         else:
             edited[key] = value.detach().clone()
+    # Nothing edited: the model part itself, which a save's walks may have kept ([Note: stable subtrees]).
+    if len(edited) == len(model) and list(edited) == list(model) and all(
+            a is b for a, b in zip(edited.values(), model.values())):
+        return model
     return edited
 
 

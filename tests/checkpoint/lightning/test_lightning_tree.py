@@ -146,6 +146,35 @@ def test_the_optimizer_state_is_the_same_subtree_while_its_tensors_are_the_same_
     assert opt.save_cache is None
 
 
+def test_the_model_part_is_the_same_subtree_until_a_hook_edits_it_or_a_parameter_moves(one_rank: None) -> None:
+    """[Note: stable subtrees]: the ``model`` part of a ``local``/``sharded`` tree is the previous save's object
+    while Lightning's ``state_dict`` holds the module's own tensors and the parameters are where they were; a
+    value a hook replaced, or a parameter given new storage, gives a tree built afresh (the hook's value copied)."""
+    model, engine = build(0, 1)
+    assert not list(model.buffers())  # a module with persistent buffers copies them at each save: never kept
+    train(model, engine, range(1), 0, 1)
+
+    def model_part(state_dict: dict[str, Any]) -> Any:
+        return build_tree({"state_dict": state_dict, "optimizer_states": [{}], "global_step": 1}, model, engine,
+                          "local")["model"]
+
+    first = model_part(model.state_dict())
+    assert isinstance(first, StableDict) and model_part(model.state_dict()) is first
+    key = next(iter(model.state_dict()))
+    edited = model_part({**model.state_dict(), key: torch.zeros_like(model.state_dict()[key])})
+    assert type(edited) is dict and torch.equal(edited[key], torch.zeros_like(model.state_dict()[key]))
+    assert model_part(model.state_dict()) is first
+    unsharded = next((p for p in model.parameters() if p not in engine.sharded_params), None)
+    sp = next(iter(engine.sharded_params.values()))
+    if unsharded is not None:
+        unsharded.data = unsharded.data.clone()
+        assert model_part(model.state_dict()) is not first
+    engine.rebuild()
+    rebuilt = model_part(model.state_dict())
+    assert rebuilt is not first and rebuilt[sp.fqn].local is not first[sp.fqn].local
+    engine.close()
+
+
 def test_a_save_s_value_comparison_reads_the_parameters_it_holds_now(one_rank: None) -> None:
     """The views a value comparison keeps across saves (``grad_bucket.OwnViews``) follow a parameter's writes in
     place, and a parameter given new storage (``p.data = ...``) is read from its new storage."""
