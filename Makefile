@@ -40,6 +40,7 @@ test-matrix:
 
 bench: install
 	$(PY) bench/engine.py
+	$(PY) bench/step_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/trainer_checkpoint.py --one-rank
