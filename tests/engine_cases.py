@@ -704,3 +704,60 @@ def run_gather_peer_stops_answering(rank: int, world_size: int, wait_seconds: fl
         except RuntimeError as exc:
             return {"error": str(exc), "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
+
+
+class Many(nn.Module):
+    """Forty small layers, one bucket of them all at the default bucket size: whose blocks at 2 and 3 ranks are
+    exact (16 and 4 elements at 2 ranks) or padded (the 1-element gains, and everything at 3 ranks), more
+    parameters than one foreach copy takes ([Note: one copy a bucket] in engine/grad_bucket.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(40))
+        self.gains = nn.ParameterList(nn.Parameter(torch.full((1,), 1.0 + i / 10)) for i in range(10))
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (skip and i == 17):
+                x = torch.tanh(layer(x))
+            if i % 4 == 3:
+                x = x * self.gains[i // 4]
+        return x
+
+
+def _many_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(4 * world_size, 4, generator=generator), torch.randn(4 * world_size, 4, generator=generator)
+
+
+def run_many_params(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """ZeRO-2 over :class:`Many`; rank 1 skips a layer in odd steps (its gradient is missing there)."""
+    model = Many()
+    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], ZeroConfig(stage=2))
+    assert len(engine.buckets) == 1 and len(engine.buckets[0].params) > 32
+    for step in range(steps):
+        x, y = _many_batch(step, world_size)
+        skip = rank == 1 and step % 2 == 1
+        F.mse_loss(model(x.chunk(world_size)[rank], skip=skip), y.chunk(world_size)[rank]).backward()
+        engine.ensure_flushed()
+        engine.optimizers[0].step()
+        engine.optimizers[0].zero_grad()
+    engine.finish_param_gather()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return params
+
+
+def many_params_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on the global batch, the same layer skipped on rank 1's slice."""
+    model = Many()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = _many_batch(step, world_size)
+        loss = sum(F.mse_loss(model(xs, skip=(r == 1 and step % 2 == 1)), ys)
+                   for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True)))
+        (loss / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -55,7 +55,7 @@ sees its collectives in bucket order on every rank. Averaging divides by the who
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,6 +134,10 @@ class ShardedParam:
     def rows(self, buffer: Tensor) -> Tensor:
         """This parameter's ``[shard_size, chunk]`` column block of a bucket buffer."""
         return buffer[:, self.offset : self.offset + self.layout.chunk]
+
+
+_GROUP = 32
+"""Parameters a foreach copy of a bucket's blocks takes at a time ([Note: one copy a bucket])."""
 
 
 class OwnViews:
@@ -248,11 +252,15 @@ class GradBucket:
         shards = [EvenShard(p.numel(), self.shard_size) for _, p in named_params]
         offsets = [sum(shard.chunk for shard in shards[:i]) for i in range(len(shards))]
         self.row_numel = sum(shard.chunk for shard in shards)
-        # A row's columns, parameter by parameter ([Note: one copy a bucket]): those whose block holds no padding
-        # are moved by one foreach copy, the others one by one.
+        # A row's columns, parameter by parameter, in groups ([Note: one copy a bucket]): per group, its first
+        # parameter, its columns, and its parameters (by place in the group) whose block holds no padding, the others.
         self.chunks = [shard.chunk for shard in shards]
-        self.exact = [j for j, shard in enumerate(shards) if shard.numel == shard.padded_numel > 0]
-        self.padded = [j for j, shard in enumerate(shards) if not shard.numel == shard.padded_numel > 0]
+        exact = [shard.numel == shard.padded_numel > 0 for shard in shards]  # the block holds no padding
+        self.padded = [j for j, no_padding in enumerate(exact) if not no_padding]
+        self._groups = [(first, offsets[first], sum(self.chunks[:first + _GROUP]),
+                         [i for i, no_padding in enumerate(exact[first:first + _GROUP]) if no_padding],
+                         [i for i, no_padding in enumerate(exact[first:first + _GROUP]) if not no_padding])
+                        for first in range(0, len(shards), _GROUP)]
         master_dtype = master_dtype_for(self.dtype)
         self.master_shard = torch.zeros(self.row_numel, dtype=master_dtype, device=self.device)  # 1D
         # 1D, master dtype; None between steps ([Note: gradient shards between steps]).
@@ -274,6 +282,12 @@ class GradBucket:
         if self._grad_shard is None:
             self._grad_shard = torch.zeros_like(self.master_shard)
         return self._grad_shard
+
+    def column_groups(self, rows: Tensor) -> Iterator[tuple[int, tuple[Tensor, ...], list[int], list[int]]]:
+        """Per group of parameters: the first, their ``[shard_size, chunk]`` blocks of ``rows`` (a bucket buffer),
+        which of them hold no padding and which do ([Note: one copy a bucket])."""
+        for first, start, end, exact, padded in self._groups:
+            yield first, rows[:, start:end].split(self.chunks[first:first + _GROUP], dim=1), exact, padded
 
     def grad_shard_views(self) -> list[Tensor]:
         """Each parameter's :attr:`ShardedParam.grad_shard`, from one split ([Note: one copy a bucket])."""
@@ -320,18 +334,21 @@ class GradBucket:
         many small parameters"). A bucket's row is its parameters' columns in order, so one ``split`` of the
         buffer gives every parameter's ``[shard_size, chunk]`` block, and the blocks without padding (most
         parameters: the numel divides by the shard group's size) move in one ``_foreach_copy_``; a padded block
-        and a missing gradient take the per-parameter path."""
+        and a missing gradient take the per-parameter path. A few dozen parameters at a time: a step that held a
+        view of every parameter at once kept more objects alive than the collector's youngest generation holds, and
+        every few dozen steps that set off a full collection of the heap (BENCHMARKS.md)."""
         # Every element is written below (padding zeroed per parameter), so the pooled buffer
         # needs no zero-fill pass; flags are device fills, never a host-to-device copy.
         flags = buffer[:, self.row_numel :]
         grads = [sp.param.grad for sp in self.params]
         if not any(grad is None or grad.is_sparse for grad in grads):
-            columns = buffer[:, : self.row_numel].split(self.chunks, dim=1)
-            if self.exact:
-                torch._foreach_copy_([columns[j] for j in self.exact],
-                                     [grads[j].reshape(self.shard_size, self.chunks[j]) for j in self.exact])
-            for j in self.padded:
-                comm.copy_flat_to_rows(columns[j], grads[j].reshape(-1), self.params[j].layout, zero_padding=True)
+            for first, columns, exact, padded in self.column_groups(buffer):
+                if exact:
+                    torch._foreach_copy_([columns[i] for i in exact], [
+                        grads[first + i].reshape(self.shard_size, self.chunks[first + i]) for i in exact])
+                for i in padded:
+                    comm.copy_flat_to_rows(columns[i], grads[first + i].reshape(-1), self.params[first + i].layout,
+                                           zero_padding=True)
             flags.fill_(1.0)
             for sp in self.params:
                 sp.param.grad = None  # as below
@@ -477,12 +494,12 @@ class PendingGather:
     def finish(self, pool: BufferPool) -> None:
         comm.wait(self.work)  # bounded: see [Note: bounded waits] in collectives.py
         bucket, params = self.bucket, self.bucket.params
-        columns = self.gathered.split(bucket.chunks, dim=1)  # [Note: one copy a bucket]
         with torch.no_grad():
             # Through ``.data``: the engine's own write moves no autograd version ([Note: the module is the truth]).
-            if bucket.exact:
-                torch._foreach_copy_([params[j].param.data.view(bucket.shard_size, bucket.chunks[j]) for j in bucket.exact],
-                                     [columns[j] for j in bucket.exact])
-            for j in bucket.padded:
-                comm.copy_rows_to_flat(params[j].param.data.view(-1), columns[j], params[j].layout)
+            for first, columns, exact, padded in bucket.column_groups(self.gathered):  # [Note: one copy a bucket]
+                if exact:
+                    torch._foreach_copy_([params[first + i].param.data.view(bucket.shard_size, bucket.chunks[first + i])
+                                          for i in exact], [columns[i] for i in exact])
+                for i in padded:
+                    comm.copy_rows_to_flat(params[first + i].param.data.view(-1), columns[i], params[first + i].layout)
         pool.give_back(self.slot, self.bucket.device)
