@@ -749,15 +749,32 @@ def run_many_params(rank: int, world_size: int, steps: int) -> dict[str, torch.T
     return params
 
 
-def many_params_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """Plain PyTorch on the global batch, the same layer skipped on rank 1's slice."""
+def many_params_reference(world_size: int, steps: int, skip: bool = True) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on the global batch, the same layer skipped on rank 1's slice (``skip``)."""
     model = Many()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(steps):
         x, y = _many_batch(step, world_size)
-        loss = sum(F.mse_loss(model(xs, skip=(r == 1 and step % 2 == 1)), ys)
+        loss = sum(F.mse_loss(model(xs, skip=skip and r == 1 and step % 2 == 1), ys)
                    for r, (xs, ys) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True)))
         (loss / world_size).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_create_graph(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """:func:`run_many_params` with ``backward(create_graph=True)`` (a gradient penalty's backward): the buckets pack
+    gradients that carry a history."""
+    model = Many()
+    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], ZeroConfig(stage=2))
+    for step in range(steps):
+        x, y = _many_batch(step, world_size)
+        F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward(create_graph=True)
+        engine.ensure_flushed()
+        engine.optimizers[0].step()
+        engine.optimizers[0].zero_grad()
+    engine.finish_param_gather()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return params

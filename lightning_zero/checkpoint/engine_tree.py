@@ -98,14 +98,14 @@ def _params(engine: ZeroEngine, ws: int, named: list[tuple[str, nn.Parameter]] |
 
 def _stable_params(engine: ZeroEngine, ws: int) -> StableDict:
     """:func:`_params` as the same :class:`StableDict` as the previous call's while the parameters, their shards and
-    the addresses of those held whole are the same ([Note: stable subtrees] in formats/tree.py; a module with
+    their shapes and the layouts of those held whole are the same ([Note: stable subtrees] in formats/tree.py; a module with
     persistent buffers copies them at each save, so its model part is built afresh instead)."""
     named = engine.named_parameters()
     sharded = engine.sharded_params
     identities: list[Any] = [ws]
     for fqn, p in named:
         sp = sharded.get(p)
-        identities += (fqn, id(p), id(sp) if sp is not None else p.data_ptr())
+        identities += (fqn, id(p), p.shape, id(sp) if sp is not None else (p.data_ptr(), p.stride(), p.dtype))
     kept = engine.save_cache.get("model")
     if kept is not None and kept[0] == identities:
         return kept[1]

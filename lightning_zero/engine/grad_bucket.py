@@ -152,7 +152,7 @@ class OwnViews:
     def of(self, params: list[ShardedParam]) -> tuple[list[Tensor], list[Tensor]]:
         """(masters, views) of ``params`` (all in their parameter's dtype)."""
         # The masters' ids: the pair holds the masters, so no other object takes one while it is kept.
-        key = [*(id(sp.master) for sp in params), *(sp.param.data_ptr() for sp in params)]
+        key = [*(id(sp.master) for sp in params), *((sp.param.data_ptr(), sp.param.stride()) for sp in params)]
         if key == self._key:
             return self._pair
         pair = [sp.master for sp in params], [sp.own_elements(sp.param.detach()) for sp in params]
@@ -325,6 +325,7 @@ class GradBucket:
 
     # ---- reduction ---------------------------------------------------------------------
 
+    @torch.no_grad()  # the values only: a gradient of ``backward(create_graph=True)`` has a history
     def pack_gradients(self, buffer: Tensor) -> None:
         """Move every present gradient into ``buffer`` (``[ws, reduce_numel]``) and free it.
 
