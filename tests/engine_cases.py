@@ -731,15 +731,18 @@ def _many_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(4 * world_size, 4, generator=generator), torch.randn(4 * world_size, 4, generator=generator)
 
 
-def run_many_params(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """ZeRO-2 over :class:`Many`; rank 1 skips a layer in odd steps (its gradient is missing there)."""
+def run_many_params(rank: int, world_size: int, steps: int, create_graph: bool = False) -> dict[str, torch.Tensor]:
+    """ZeRO-2 over :class:`Many`; rank 1 skips a layer in odd steps (its gradient is missing there).
+    ``create_graph``: every backward keeps its graph (a gradient penalty's backward: the buckets pack gradients that
+    carry a history), and no layer is skipped."""
     model = Many()
     engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], ZeroConfig(stage=2))
     assert len(engine.buckets) == 1 and len(engine.buckets[0].params) > 32
     for step in range(steps):
         x, y = _many_batch(step, world_size)
-        skip = rank == 1 and step % 2 == 1
-        F.mse_loss(model(x.chunk(world_size)[rank], skip=skip), y.chunk(world_size)[rank]).backward()
+        skip = not create_graph and rank == 1 and step % 2 == 1
+        loss = F.mse_loss(model(x.chunk(world_size)[rank], skip=skip), y.chunk(world_size)[rank])
+        loss.backward(create_graph=create_graph)
         engine.ensure_flushed()
         engine.optimizers[0].step()
         engine.optimizers[0].zero_grad()
@@ -762,19 +765,3 @@ def many_params_reference(world_size: int, steps: int, skip: bool = True) -> dic
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-
-def run_create_graph(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """:func:`run_many_params` with ``backward(create_graph=True)`` (a gradient penalty's backward): the buckets pack
-    gradients that carry a history."""
-    model = Many()
-    engine = ZeroEngine(model, [torch.optim.AdamW(model.parameters(), lr=0.01)], ZeroConfig(stage=2))
-    for step in range(steps):
-        x, y = _many_batch(step, world_size)
-        F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward(create_graph=True)
-        engine.ensure_flushed()
-        engine.optimizers[0].step()
-        engine.optimizers[0].zero_grad()
-    engine.finish_param_gather()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine.close()
-    return params

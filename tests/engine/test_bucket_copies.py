@@ -25,9 +25,7 @@ def test_a_bucket_of_many_parameters_trains_as_plain_pytorch(world_size: int) ->
 def test_gradients_of_a_backward_that_keeps_its_graph_are_packed_by_value() -> None:
     """``backward(create_graph=True)`` gives gradients with a history; the buckets take their values (an in-place
     copy of them into a split of the buffer once raised inside the gradient hook)."""
-    from engine_cases import run_create_graph
-
-    results = run_distributed(run_create_graph, 2, 2, start_method="forkserver")
+    results = run_distributed(run_many_params, 2, 2, True, start_method="forkserver")
     expected = many_params_reference(2, 2, skip=False)
     for params in results:
         for name, value in expected.items():
