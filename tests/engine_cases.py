@@ -764,4 +764,3 @@ def many_params_reference(world_size: int, steps: int, skip: bool = True) -> dic
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
