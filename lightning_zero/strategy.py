@@ -206,8 +206,8 @@ class ZeroLowLevelStrategy(DDPStrategy):
         if not resumed:
             self._set_up_model(trainer)
         if isinstance(self.checkpoint_io, ZeroCheckpointIO):
-            entry.link_of(self.checkpoint_io).count_claims_as_taken(  # rank 0 answers for all: it alone lists
-                trainer.checkpoint_callbacks, own_names_only=fitting and self._fault_tolerance is not None and self.is_global_zero)
+            own_names_only = fitting and self._fault_tolerance is not None and self.is_global_zero  # rank 0 answers
+            entry.link_of(self.checkpoint_io).count_claims_as_taken(trainer.checkpoint_callbacks, own_names_only)
             if fitting and not any(isinstance(c, CheckpointMetrics) for c in trainer.callbacks):
                 # Each save's cost reaches the user's loggers without them asking (no collective).
                 trainer.callbacks.append(CheckpointMetrics())

@@ -11,6 +11,7 @@ form (indices in param-group order), so plain DDP can resume from it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,13 +107,16 @@ def _stable_params(engine: ZeroEngine, ws: int) -> StableDict:
     for fqn, p in named:
         sp = sharded.get(p)
         identities += (fqn, id(p), p.shape, id(sp) if sp is not None else (p.data_ptr(), p.stride(), p.dtype))
-    kept = engine.save_cache.get("model")
-    if kept is not None and kept[0] == identities:
-        return kept[1]
-    engine.save_cache.pop("model", None)
-    model = StableDict(_params(engine, ws, named))
-    engine.save_cache["model"] = (identities, model)
-    return model
+    engine.save_cache["model"] = kept = _reuse(engine.save_cache.get("model"), identities,
+                                               lambda: _params(engine, ws, named))
+    return kept[1]
+
+
+def _reuse(kept: tuple[list[Any], StableDict] | None, identities: list[Any],
+           build: Callable[[], dict[str, Any]]) -> tuple[list[Any], StableDict]:
+    """``kept`` (the identities a tree was built from, the tree) while they are ``identities``, else ``build()`` as a
+    :class:`StableDict` with them: the tree holds those objects, so no other object takes their ids meanwhile."""
+    return kept if kept is not None and kept[0] == identities else (identities, StableDict(build()))
 
 
 def _state(opt: ZeroOptimizer, ws: int, entries: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
@@ -135,8 +139,7 @@ def _stable_state(opt: ZeroOptimizer, ws: int) -> dict[str, Any]:
     """:func:`_state` as the same :class:`StableDict` as the previous call's while every parameter is the same and
     every state value the same tensor at the same address and shape, or the same immutable scalar ([Note: stable
     subtrees] in formats/tree.py): an optimizer that updates its state in place keeps it. Kept on the optimizer
-    (``save_cache``, which its load and the engine drop) with the identities it was built from; the tree holds
-    those objects, so no other object takes their ids while it is kept."""
+    (``save_cache``, which its load and the engine drop)."""
     entries = [opt.state.get(sp.master) for sp in opt.sharded_params]
     identities: list[Any] = [ws, *map(id, opt.sharded_params)]
     kinds: set[type] = set()
@@ -152,13 +155,8 @@ def _stable_state(opt: ZeroOptimizer, ws: int) -> dict[str, Any]:
     if not all(kind in _SCALARS or issubclass(kind, Tensor) for kind in kinds):
         opt.save_cache = None
         return _state(opt, ws, entries)  # a container value may change inside: built afresh each save
-    kept = opt.save_cache
-    if kept is not None and kept[0] == identities:
-        return kept[1]
-    opt.save_cache = None  # before building: the old tree's tensors are not kept alive beside the new
-    state = StableDict(_state(opt, ws, entries))
-    opt.save_cache = (identities, state)
-    return state
+    opt.save_cache = _reuse(opt.save_cache, identities, lambda: _state(opt, ws, entries))
+    return opt.save_cache[1]
 
 
 def module_meta(module: nn.Module) -> dict[str, Any]:
